@@ -1,0 +1,16 @@
+"""megatron-core's TransformerConfig plus the fields our modules read."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+@dataclass
+class LongSeqConfig(TransformerConfig):
+    # Rotary embedding, applied by our core attention from position ids (GPTModel gets 'none').
+    use_rope: bool = False
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0
+    # --recompute-granularity selective: recompute core attention in backward.
+    recompute_core_attention: bool = False

@@ -1,0 +1,231 @@
+"""The rank grid: the one place that lays ranks out on named axes and builds their groups.
+
+Axes from the innermost (adjacent ranks) outwards: tp, cp, dp, pp. This is megatron-core's default
+order "tp-cp-ep-dp-pp" with ep = 1, so the tp/cp/dp/pp groups built here are exactly the ones
+megatron-core's `initialize_model_parallel` builds; `build_process_groups` checks that.
+
+The cp axis is itself a 2D grid (LoongTrain section 3): hp (head-parallel, the Ulysses all-to-all)
+x ring (the context-parallel ring). The placement decides which of the two is laid on adjacent
+ranks (LoongTrain section 4.3): "head-first" puts a head-parallel group on adjacent ranks (inside a
+node), "context-first" puts a ring there. The ring is cut into inner rings of W consecutive ring
+positions; the outer rings join the ranks at the same inner position (Double-Ring-Attention).
+
+Everything here except `build_process_groups` is pure arithmetic, tested without processes.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch.distributed as dist
+
+PLACEMENTS = ("head-first", "context-first")
+# Coordinates of a rank, innermost axis first.
+AXES = ("tp", "hp", "ring", "dp", "pp")
+
+
+class GridError(ValueError):
+    """A parallel layout whose arithmetic does not work out; the message has the numbers."""
+
+
+@dataclass(frozen=True)
+class RankGrid:
+    """world = tp x cp x dp x pp, cp = hp x ring, ring = inner x outer."""
+
+    world_size: int
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    hp: int = 1
+    inner_ring: Optional[int] = None
+    placement: str = "head-first"
+
+    def __post_init__(self):
+        self._check()
+
+    # ---- derived sizes -------------------------------------------------------------------
+    @property
+    def ring(self) -> int:
+        return self.cp // self.hp
+
+    @property
+    def inner(self) -> int:
+        return self.inner_ring if self.inner_ring is not None else self.ring
+
+    @property
+    def outer(self) -> int:
+        return self.ring // self.inner
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.cp * self.pp)
+
+    def _check(self):
+        for name in ("world_size", "tp", "pp", "cp", "hp"):
+            if getattr(self, name) < 1:
+                raise GridError(f"{name} must be >= 1, got {getattr(self, name)}")
+        model = self.tp * self.cp * self.pp
+        if self.world_size % model:
+            raise GridError(
+                f"world size {self.world_size} is not divisible by tensor ({self.tp}) x context "
+                f"({self.cp}) x pipeline ({self.pp}) parallel sizes = {model}"
+            )
+        if self.cp % self.hp:
+            raise GridError(
+                f"context parallel size {self.cp} is not divisible by the head-parallel size "
+                f"{self.hp} (cp = head-parallel x ring)"
+            )
+        if self.inner_ring is not None and (self.inner_ring < 1 or self.ring % self.inner_ring):
+            raise GridError(
+                f"inner ring size {self.inner_ring} does not divide the ring size {self.ring} "
+                f"(context parallel {self.cp} / head-parallel {self.hp})"
+            )
+        if self.placement not in PLACEMENTS:
+            raise GridError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+
+    # ---- rank <-> coordinates -------------------------------------------------------------
+    def _cp_index(self, hp_i: int, ring_i: int) -> int:
+        # head-first: the hp group is contiguous inside the cp block; context-first: the ring is.
+        if self.placement == "head-first":
+            return hp_i + self.hp * ring_i
+        return ring_i + self.ring * hp_i
+
+    def rank_of(self, tp: int = 0, hp: int = 0, ring: int = 0, dp: int = 0, pp: int = 0) -> int:
+        cp_i = self._cp_index(hp, ring)
+        return tp + self.tp * (cp_i + self.cp * (dp + self.dp * pp))
+
+    def coords(self, rank: int) -> Dict[str, int]:
+        if not 0 <= rank < self.world_size:
+            raise GridError(f"rank {rank} outside world of size {self.world_size}")
+        tp_i, rest = rank % self.tp, rank // self.tp
+        cp_i, rest = rest % self.cp, rest // self.cp
+        dp_i, pp_i = rest % self.dp, rest // self.dp
+        if self.placement == "head-first":
+            hp_i, ring_i = cp_i % self.hp, cp_i // self.hp
+        else:
+            ring_i, hp_i = cp_i % self.ring, cp_i // self.ring
+        return {"tp": tp_i, "hp": hp_i, "ring": ring_i, "dp": dp_i, "pp": pp_i}
+
+    # ---- groups -----------------------------------------------------------------------------
+    def _sizes(self) -> Dict[str, int]:
+        return {"tp": self.tp, "hp": self.hp, "ring": self.ring, "dp": self.dp, "pp": self.pp}
+
+    def groups_along(self, axes: Tuple[str, ...]) -> List[List[int]]:
+        """All groups that vary exactly the named axes (others fixed), each ordered by the axes'
+        coordinates with the first named axis fastest. Groups are listed in a fixed order, so
+        every rank creates them identically."""
+        sizes = self._sizes()
+        fixed = [a for a in AXES if a not in axes]
+        groups = []
+        for fixed_vals in itertools.product(*(range(sizes[a]) for a in reversed(fixed))):
+            base = dict(zip(reversed(fixed), fixed_vals))
+            members = []
+            for vals in itertools.product(*(range(sizes[a]) for a in reversed(axes))):
+                coords = dict(base, **dict(zip(reversed(axes), vals)))
+                members.append(self.rank_of(**coords))
+            groups.append(members)
+        return groups
+
+    def ring_groups(self, level: str) -> List[List[int]]:
+        """Double-Ring groups: 'inner' = W consecutive ring positions; 'outer' = the ranks at the
+        same position of every inner ring. Ordered by ring position."""
+        out = []
+        for ring_group in self.groups_along(("ring",)):
+            chunks = [ring_group[i : i + self.inner] for i in range(0, self.ring, self.inner)]
+            out.extend(chunks if level == "inner" else [list(g) for g in zip(*chunks)])
+        return out
+
+    def all_groups(self) -> Dict[str, List[List[int]]]:
+        """Every named group of the run; creation order is this dict's order."""
+        return {
+            "tp": self.groups_along(("tp",)),
+            "cp": self.groups_along(("hp", "ring") if self.placement == "head-first" else ("ring", "hp")),
+            "hp": self.groups_along(("hp",)),
+            "ring": self.groups_along(("ring",)),
+            "inner": self.ring_groups("inner"),
+            "outer": self.ring_groups("outer"),
+            "dp": self.groups_along(("dp",)),
+            "dp_cp": self._sorted(self.groups_along(("hp", "ring", "dp"))),
+            "tp_cp": self._sorted(self.groups_along(("tp", "hp", "ring"))),
+            "pp": self.groups_along(("pp",)),
+            "mp": self._sorted(self.groups_along(("tp", "pp"))),
+        }
+
+    @staticmethod
+    def _sorted(groups: List[List[int]]) -> List[List[int]]:
+        # Groups whose members are a set (reductions): rank order, as megatron-core keeps them.
+        return [sorted(g) for g in groups]
+
+    def describe(self) -> str:
+        return (
+            f"world {self.world_size} = tp {self.tp} x cp {self.cp} (hp {self.hp} x ring {self.ring}, "
+            f"inner ring {self.inner}, {self.placement}) x dp {self.dp} x pp {self.pp}"
+        )
+
+
+@dataclass
+class ProcessGroups:
+    """This rank's groups on every axis, plus their member lists (ordered as on the axis)."""
+
+    grid: RankGrid
+    rank: int
+    groups: Dict[str, object] = field(default_factory=dict)
+    members: Dict[str, List[int]] = field(default_factory=dict)
+
+    def __getattr__(self, name):
+        groups = self.__dict__.get("groups", {})
+        if name in groups:
+            return groups[name]
+        raise AttributeError(name)
+
+    def size(self, axis: str) -> int:
+        return len(self.members[axis])
+
+    def index(self, axis: str) -> int:
+        """This rank's position along the axis (its ring position for 'ring', etc.)."""
+        return self.members[axis].index(self.rank)
+
+
+def build_process_groups(grid: RankGrid) -> ProcessGroups:
+    """Create every group of `grid` (collective: all ranks call it in the same order).
+
+    Also initialises megatron-core's parallel_state with the same tp/cp/pp sizes and checks that
+    its groups are ours, so megatron-core modules that read its globals agree with us."""
+    from megatron.core import parallel_state as mpu
+
+    rank = dist.get_rank()
+    if dist.get_world_size() != grid.world_size:
+        raise GridError(f"grid is for {grid.world_size} ranks but the world has {dist.get_world_size()}")
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=grid.tp,
+        pipeline_model_parallel_size=grid.pp,
+        context_parallel_size=grid.cp,
+        order="tp-cp-ep-dp-pp",
+        create_gloo_process_groups=False,
+    )
+    pgs = ProcessGroups(grid=grid, rank=rank)
+    for name, group_list in grid.all_groups().items():
+        for members in group_list:
+            # new_group is collective over the world even for groups this rank is not in.
+            handle = dist.new_group(members)
+            if rank in members:
+                pgs.groups[name], pgs.members[name] = handle, members
+    _check_against_megatron(pgs, mpu)
+    return pgs
+
+
+def _check_against_megatron(pgs: ProcessGroups, mpu) -> None:
+    ours_vs_theirs = {
+        "tp": mpu.get_tensor_model_parallel_group(),
+        "cp": mpu.get_context_parallel_group(),
+        "dp": mpu.get_data_parallel_group(),
+        "dp_cp": mpu.get_data_parallel_group(with_context_parallel=True),
+        "pp": mpu.get_pipeline_model_parallel_group(),
+    }
+    for name, theirs in ours_vs_theirs.items():
+        their_ranks = sorted(dist.get_process_group_ranks(theirs))
+        if sorted(pgs.members[name]) != their_ranks:
+            raise GridError(
+                f"{name} group {pgs.members[name]} differs from megatron-core's {their_ranks}"
+            )

@@ -1,0 +1,132 @@
+"""Device-agnostic RNG streams and activation recompute that replays them.
+
+Dropout inside tensor-parallel regions (attention heads are split over tp) must draw different
+masks on different tp ranks, while dropout on replicated activations must draw the same mask on
+all of them. As in Megatron, the default generator is seeded identically across tp ranks and a
+named extra stream ("model-parallel-rng", seed + 2718 + tp rank) is forked for the tp regions.
+megatron-core's tracker keeps CUDA states only; this one keeps the state of whatever device the
+run is on, so the same code serves CPU and GPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import random
+from typing import Dict
+
+import numpy as np
+import torch
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+MODEL_PARALLEL_RNG = "model-parallel-rng"
+
+
+def _get_state(device: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+class RNGTracker:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.states: Dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, seed: int) -> None:
+        if name in self.states:
+            raise ValueError(f"RNG stream {name} already exists")
+        saved = _get_state(self.device)
+        torch.manual_seed(seed) if self.device.type != "cuda" else torch.cuda.manual_seed(seed)
+        self.states[name] = _get_state(self.device)
+        _set_state(self.device, saved)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = MODEL_PARALLEL_RNG):
+        """Run the block on stream `name`; the default stream is left untouched."""
+        saved = _get_state(self.device)
+        _set_state(self.device, self.states[name])
+        try:
+            yield
+        finally:
+            self.states[name] = _get_state(self.device)
+            _set_state(self.device, saved)
+
+    def get_states(self) -> Dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.states.items()}
+
+    def set_states(self, states: Dict[str, torch.Tensor]) -> None:
+        self.states = {k: v.clone() for k, v in states.items()}
+
+
+_TRACKER: RNGTracker = RNGTracker(torch.device("cpu"))
+
+
+def get_rng_tracker() -> RNGTracker:
+    return _TRACKER
+
+
+def seed_everything(seed: int, tp_rank: int, device: torch.device) -> None:
+    """Megatron's seeding: python/numpy/torch default streams get `seed` (same on all tp ranks
+    of a pipeline stage; the caller adds 100 x pp rank), the tp stream seed + 2718 + tp rank."""
+    global _TRACKER
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.manual_seed(seed)
+    _TRACKER = RNGTracker(device)
+    _TRACKER.add(MODEL_PARALLEL_RNG, seed + 2718 + tp_rank)
+
+
+def rng_state_dict() -> dict:
+    """Every stream a run draws from, for exact resume."""
+    state = {
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": _TRACKER.get_states(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def load_rng_state_dict(state: dict) -> None:
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    _TRACKER.set_states(state["tracker"])
+
+
+def _replaying_tracker_contexts():
+    """torch.utils.checkpoint replays the default streams itself; our named streams are replayed
+    here: the recompute runs from the states the forward started with, then the states the
+    forward ended with are put back."""
+    tracker = get_rng_tracker()
+    at_forward = tracker.get_states()
+
+    @contextlib.contextmanager
+    def recompute_ctx():
+        after_forward = tracker.get_states()
+        tracker.set_states(at_forward)
+        try:
+            yield
+        finally:
+            tracker.set_states(after_forward)
+
+    return contextlib.nullcontext(), recompute_ctx()
+
+
+def checkpoint(function, *args, **kwargs):
+    """Activation recompute: keep only the inputs of `function`; rerun it in backward with the
+    same random streams, so dropout masks match and gradients are exact."""
+    return torch_checkpoint(
+        function, *args, use_reentrant=False, preserve_rng_state=True,
+        context_fn=_replaying_tracker_contexts, **kwargs,
+    )

@@ -1,0 +1,169 @@
+"""Checkpoints in Megatron's `torch` layout, written atomically, resumed exactly.
+
+  <dir>/latest_checkpointed_iteration.txt          the tracker, written last
+  <dir>/iter_0000010/mp_rank_00[_001]/model_optim_rng.pt   one file per (tp[, pp]) rank
+  <dir>/iter_0000010/mp_rank_00/distrib_optim_dp_000.pt   optimizer shards (--use-distributed-optimizer)
+
+A save writes into iter_XXXXXXX.tmp, fsyncs every file, renames the directory into place, and only
+then replaces the tracker (write + fsync + rename). A crash at any moment leaves the previous
+checkpoint and a tracker that points at it.
+
+What a resume needs to be exact: model, optimizer (fp32 main params and Adam moments), LR schedule,
+every RNG stream, the iteration and the data position (consumed train and valid samples).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.longseq.random import load_rng_state_dict, rng_state_dict
+
+TRACKER = "latest_checkpointed_iteration.txt"
+CHECKPOINT_VERSION = 3.0
+# Arguments that must agree between the checkpoint and the run that loads it.
+MUST_MATCH = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+              "kv_channels", "padded_vocab_size", "position_embedding_type", "normalization", "swiglu",
+              "add_bias_linear", "untie_embeddings_and_output_weights", "tensor_model_parallel_size",
+              "pipeline_model_parallel_size")
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def rank_dir_name(pgs) -> str:
+    tp, pp = pgs.index("tp"), pgs.index("pp")
+    return f"mp_rank_{tp:02d}" if pgs.size("pp") == 1 else f"mp_rank_{tp:02d}_{pp:03d}"
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_torch_save(obj, path: str) -> None:
+    tmp = path + ".part"
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _atomic_write_text(path: str, text: str) -> None:
+    tmp = path + ".part"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path) or ".")
+
+
+def _model_state(model) -> dict:
+    # Clone: parameters are views of the flat DDP buffer; the file should hold each tensor alone.
+    return {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in model.state_dict().items()}
+
+
+def save_checkpoint(args, state, pgs) -> str:
+    """Collective. `state` has model, optimizer, scheduler, iteration, consumed samples, flops."""
+    iteration = state.iteration
+    final, tmp = iteration_dir(args.save, iteration), iteration_dir(args.save, iteration) + ".tmp"
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        os.makedirs(args.save, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
+        os.makedirs(tmp)
+    dist.barrier()
+    rank_dir = os.path.join(tmp, rank_dir_name(pgs))
+    sharded = state.optimizer.buffer.shards > 1
+    if pgs.index("dp_cp") == 0:  # the model is replicated over dp x cp: one writer per (tp, pp)
+        os.makedirs(rank_dir, exist_ok=True)
+        _atomic_torch_save(_main_file(args, state, sharded), os.path.join(rank_dir, "model_optim_rng.pt"))
+    dist.barrier()
+    if sharded and not args.no_save_optim:
+        _atomic_torch_save(state.optimizer.state_dict(), _shard_path(rank_dir, pgs))
+    dist.barrier()
+    if rank0:
+        for root, _, _ in os.walk(tmp):
+            _fsync_dir(root)
+        if os.path.exists(final):  # saving the same iteration again: replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(args.save)
+        _atomic_write_text(os.path.join(args.save, TRACKER), str(iteration))
+    dist.barrier()
+    return final
+
+
+def _shard_path(rank_dir: str, pgs) -> str:
+    # One optimizer shard per data-parallel (x context-parallel) rank.
+    return os.path.join(rank_dir, f"distrib_optim_dp_{pgs.index('dp_cp'):03d}.pt")
+
+
+def _main_file(args, state, sharded: bool) -> dict:
+    obj = {
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "args": {k: getattr(args, k) for k in MUST_MATCH},
+        "iteration": state.iteration,
+        "model": _model_state(state.model),
+        "opt_param_scheduler": state.scheduler.state_dict(),
+        "consumed_train_samples": state.consumed_train_samples,
+        "consumed_valid_samples": state.consumed_valid_samples,
+        "num_floating_point_operations_so_far": state.flops_so_far,
+    }
+    if not args.no_save_optim and not sharded:
+        obj["optimizer"] = state.optimizer.state_dict()
+    if not args.no_save_rng:
+        obj["rng_state"] = rng_state_dict()
+    return obj
+
+
+def read_tracker(root: str) -> Optional[int]:
+    path = os.path.join(root, TRACKER)
+    if not os.path.isfile(path):
+        return None
+    text = open(path).read().strip()
+    if not text.isdigit():
+        raise ValueError(f"{path}: expected an iteration number, found {text!r}")
+    return int(text)
+
+
+def load_checkpoint(args, state, pgs) -> bool:
+    """Fill `state` from the latest checkpoint under --load. False when there is none."""
+    iteration = read_tracker(args.load)
+    if iteration is None:
+        return False
+    rank_dir = os.path.join(iteration_dir(args.load, iteration), rank_dir_name(pgs))
+    obj = torch.load(os.path.join(rank_dir, "model_optim_rng.pt"), map_location="cpu", weights_only=False)
+    _check_args(obj["args"], args)
+    state.model.load_state_dict(obj["model"], strict=True)
+    state.optimizer.reload_model_params()
+    if not args.no_load_optim:
+        sharded = state.optimizer.buffer.shards > 1
+        opt = (torch.load(_shard_path(rank_dir, pgs), map_location="cpu", weights_only=False)
+               if sharded else obj.get("optimizer"))
+        if opt is None:
+            raise ValueError(f"{rank_dir} holds no optimizer state; load with --no-load-optim")
+        state.optimizer.load_state_dict(opt)
+    state.scheduler.load_state_dict(obj["opt_param_scheduler"])
+    if not args.no_load_rng and "rng_state" in obj:
+        load_rng_state_dict(obj["rng_state"])
+    state.iteration = obj["iteration"]
+    state.consumed_train_samples = obj["consumed_train_samples"]
+    state.consumed_valid_samples = obj["consumed_valid_samples"]
+    state.flops_so_far = obj["num_floating_point_operations_so_far"]
+    return True
+
+
+def _check_args(saved: dict, args) -> None:
+    for key, value in saved.items():
+        if getattr(args, key) != value:
+            raise ValueError(f"checkpoint has {key}={value} but this run has {getattr(args, key)}")

@@ -1,0 +1,76 @@
+"""Datasets (megatron-core's GPTDataset / MockGPTDataset), Megatron's sample order, the batch.
+
+Sample order is Megatron's pretraining sampler: the global stream of sample indices is consumed in
+steps of micro_batch_size x dp; data-parallel rank r takes slice r of each step. A run resumed
+from `consumed_samples` continues the stream exactly where it stopped.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterator, Optional
+
+import torch
+
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.utils import get_blend_from_list
+
+
+def train_valid_test_num_samples(args):
+    """Megatron's sizes: train iterations, every evaluation (+1 at the end), one test pass."""
+    evals = (args.train_iters // args.eval_interval + 1) * args.eval_iters if args.eval_iters > 0 else 0
+    return [args.train_iters * args.global_batch_size, evals * args.global_batch_size,
+            args.eval_iters * args.global_batch_size]
+
+
+def build_datasets(args, tokenizer, num_samples):
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=get_blend_from_list(args.data_path) if args.data_path else None,
+        split=args.split,
+        path_to_cache=args.data_cache_path,
+        tokenizer=tokenizer,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.reset_attention_mask,  # only document masks need one
+        mid_level_dataset_surplus=0.005,
+    )
+    cls = MockGPTDataset if args.mock_data else GPTDataset
+    return BlendedMegatronDatasetBuilder(cls, num_samples, lambda: True, config).build()
+
+
+class PretrainingSampler:
+    """Yields this data-parallel rank's micro-batch indices, starting at `consumed_samples`."""
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
+                 dp_rank: int, dp_size: int):
+        if consumed_samples > total_samples:
+            raise ValueError(f"consumed samples {consumed_samples} exceed the dataset's {total_samples}")
+        self.total, self.consumed = total_samples, consumed_samples
+        self.mbs, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
+
+    def __len__(self):
+        return (self.total - self.consumed) // (self.mbs * self.dp_size)
+
+    def __iter__(self):
+        step = self.mbs * self.dp_size
+        lo = self.dp_rank * self.mbs
+        for start in range(self.consumed, self.total - step + 1, step):
+            yield list(range(start + lo, start + lo + self.mbs))
+
+
+def build_loader(dataset, consumed_samples: int, args, pgs) -> Optional[Iterator]:
+    if dataset is None or len(dataset) == 0:
+        return None
+    dp_rank, dp_size = pgs.index("dp"), pgs.size("dp")
+    sampler = PretrainingSampler(len(dataset), consumed_samples, args.micro_batch_size, dp_rank, dp_size)
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_sampler=sampler, num_workers=args.num_workers,
+        pin_memory=args.device_type == "cuda", persistent_workers=args.num_workers > 0,
+    )
+    return iter(loader)
+
+
+def to_device(batch: Dict[str, torch.Tensor], device: torch.device) -> Dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}

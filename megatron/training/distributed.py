@@ -1,0 +1,170 @@
+"""Data-parallel gradients: one contiguous buffer, bucketed reductions, optional overlap.
+
+megatron-core's DistributedDataParallel allocates its buffers on CUDA; this is a device-agnostic
+counterpart with the same contract:
+- every parameter's data and gradient live in two flat buffers (params in model dtype, grads in
+  fp32 when the model is bf16 -- Megatron accumulates and reduces bf16 gradients in fp32);
+- `param.main_grad` is the parameter's view of the gradient buffer; each micro-batch's `.grad`
+  is added into it by a post-accumulate hook and then freed;
+- buckets are reduced over the data-parallel group (dp x cp): all-reduce, or reduce-scatter when
+  the optimizer is sharded (ZeRO-1, --use-distributed-optimizer), in which case each rank owns the
+  same 1/dp slice of every bucket and the updated parameters are all-gathered back;
+- with --overlap-grad-reduce a bucket's reduction starts asynchronously as soon as the last
+  micro-batch's backward has produced all its gradients.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_BUCKET_ELEMENTS = 40_000_000
+
+
+@dataclass
+class Bucket:
+    """A contiguous range [start, end) of both flat buffers; its length is a multiple of the
+    shard count so every shard is an equal slice."""
+
+    params: List[torch.nn.Parameter]
+    start: int
+    end: int
+    pending: set = field(default_factory=set)
+    handle: Optional[object] = None
+
+    def shard_range(self, shard_rank: int, shards: int):
+        size = (self.end - self.start) // shards
+        return self.start + shard_rank * size, self.start + (shard_rank + 1) * size
+
+
+def _pad(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+class GradBuffer:
+    """Flat param/grad storage for `params` and their data-parallel reduction."""
+
+    def __init__(self, params: List[torch.nn.Parameter], dp_group, shard: bool, overlap: bool,
+                 bucket_elements: Optional[int] = None, average: bool = True):
+        self.dp_group = dp_group
+        self.average = average  # mean over dp (per-micro-batch losses) or sum (per-token loss)
+        self.dp_size = dist.get_world_size(dp_group)
+        self.dp_rank = dist.get_rank(dp_group)
+        self.shards = self.dp_size if shard else 1
+        self.overlap = overlap
+        self.sync_enabled = True
+        device, dtype = params[0].device, params[0].dtype
+        self.grad_dtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+        # Backward produces gradients roughly in reverse registration order: buckets follow it,
+        # so the first bucket is ready first.
+        ordered = list(reversed(params))
+        self.buckets = self._make_buckets(ordered, bucket_elements or DEFAULT_BUCKET_ELEMENTS)
+        total = self.buckets[-1].end
+        self.param_data = torch.zeros(total, dtype=dtype, device=device)
+        self.grad_data = torch.zeros(total, dtype=self.grad_dtype, device=device)
+        self.offsets: Dict[torch.nn.Parameter, int] = {}
+        self._place(ordered)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in ordered]
+
+    def _make_buckets(self, ordered, bucket_elements) -> List[Bucket]:
+        buckets, current, start, size = [], [], 0, 0
+        for p in ordered:
+            current.append(p)
+            size += p.numel()
+            if size >= bucket_elements:
+                end = start + _pad(size, self.shards)
+                buckets.append(Bucket(current, start, end))
+                current, start, size = [], end, 0
+        if current:
+            buckets.append(Bucket(current, start, start + _pad(size, self.shards)))
+        return buckets
+
+    def _place(self, ordered):
+        """Move every parameter into the flat buffer and give it a main_grad view."""
+        self.bucket_of = {}
+        for bucket in self.buckets:
+            offset = bucket.start
+            for p in bucket.params:
+                n = p.numel()
+                self.param_data[offset : offset + n].copy_(p.data.view(-1))
+                p.data = self.param_data[offset : offset + n].view_as(p)
+                p.main_grad = self.grad_data[offset : offset + n].view_as(p)
+                self.offsets[p] = offset
+                self.bucket_of[p] = bucket
+                offset += n
+
+    # ---- accumulation and reduction ------------------------------------------------------
+    def _on_grad(self, p: torch.nn.Parameter) -> None:
+        p.main_grad.add_(p.grad)
+        p.grad = None
+        if self.overlap and self.sync_enabled:
+            bucket = self.bucket_of[p]
+            bucket.pending.discard(p)
+            if not bucket.pending:
+                self._reduce(bucket, async_op=True)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Micro-batches before the last only accumulate (megatron-core's no_sync_func)."""
+        self.sync_enabled = False
+        try:
+            yield
+        finally:
+            self.sync_enabled = True
+
+    def _reduce(self, bucket: Bucket, async_op: bool) -> None:
+        grads = self.grad_data[bucket.start : bucket.end]
+        if self.dp_size == 1:
+            return
+        if self.average:
+            grads.div_(self.dp_size)  # before the sum, like Megatron's gradient scaling factor
+        if self.shards > 1:
+            lo, hi = bucket.shard_range(self.dp_rank, self.shards)
+            bucket.handle = dist.reduce_scatter_tensor(
+                self.grad_data[lo:hi], grads, group=self.dp_group, async_op=async_op
+            )
+        else:
+            bucket.handle = dist.all_reduce(grads, group=self.dp_group, async_op=async_op)
+
+    def finish_grad_sync(self) -> None:
+        """After the last backward: every bucket reduced (launch what overlap did not)."""
+        for bucket in self.buckets:
+            if bucket.handle is None:
+                self._reduce(bucket, async_op=False)
+            elif hasattr(bucket.handle, "wait"):
+                bucket.handle.wait()
+            bucket.handle = None
+
+    def zero_grad(self) -> None:
+        """Start of an iteration: zero gradients, every bucket waiting for all its params."""
+        self.grad_data.zero_()
+        for bucket in self.buckets:
+            bucket.pending = set(bucket.params)
+            bucket.handle = None
+
+    # ---- shards ----------------------------------------------------------------------------
+    def owned_ranges(self):
+        """(start, end) ranges of the flat buffers this rank's optimizer updates."""
+        shard_rank = self.dp_rank if self.shards > 1 else 0
+        return [b.shard_range(shard_rank, self.shards) for b in self.buckets]
+
+    def param_fragments(self):
+        """(param, flat_start, flat_end) for every piece of a parameter inside an owned range."""
+        for lo, hi in self.owned_ranges():
+            for p, offset in self.offsets.items():
+                start, end = max(lo, offset), min(hi, offset + p.numel())
+                if start < end:
+                    yield p, start, end
+
+    def all_gather_params(self) -> None:
+        """After a sharded step: every rank's updated slice to everybody."""
+        if self.shards == 1:
+            return
+        for bucket in self.buckets:
+            lo, hi = bucket.shard_range(self.dp_rank, self.shards)
+            dist.all_gather_into_tensor(
+                self.param_data[bucket.start : bucket.end], self.param_data[lo:hi].clone(), group=self.dp_group
+            )

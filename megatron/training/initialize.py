@@ -1,0 +1,73 @@
+"""Process start-up: ranks from torchrun or Slurm, the process group, the rank grid, the seeds."""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from megatron.longseq.parallel_state import ProcessGroups, RankGrid, build_process_groups
+from megatron.longseq.random import seed_everything
+
+
+@dataclass
+class LaunchEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+def launch_env() -> LaunchEnv:
+    """torchrun exports RANK/WORLD_SIZE/LOCAL_RANK; `srun python pretrain_gpt.py` exports
+    SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID (MASTER_ADDR/PORT come from the batch script)."""
+    if "RANK" in os.environ:
+        return LaunchEnv(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
+    if "SLURM_PROCID" in os.environ:
+        return LaunchEnv(int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"]),
+                         int(os.environ.get("SLURM_LOCALID", 0)))
+    return LaunchEnv(0, 1, 0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def initialize_distributed(args) -> ProcessGroups:
+    """Init the default group on the backend chosen in validation, then every grid group."""
+    env = launch_env()
+    if env.world_size == 1:  # a plain `python pretrain_gpt.py` run
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if args.device_type == "cuda":
+        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+    if args.deterministic_mode:
+        _deterministic(args)
+    dist.init_process_group(
+        backend=args.distributed_backend, rank=env.rank, world_size=env.world_size,
+        timeout=timedelta(minutes=args.distributed_timeout_minutes),
+    )
+    grid = RankGrid(world_size=env.world_size, tp=args.tensor_model_parallel_size,
+                    pp=args.pipeline_model_parallel_size, cp=args.context_parallel_size)
+    pgs = build_process_groups(grid)
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device_type == "cuda" else torch.device("cpu")
+    # Megatron: the same seed on every tp rank of a stage, a different one per pipeline stage.
+    seed_everything(args.seed + 100 * pgs.index("pp"), pgs.index("tp"), device)
+    return pgs
+
+
+def _deterministic(args):
+    torch.use_deterministic_algorithms(True)
+    if args.device_type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        os.environ.setdefault("NCCL_ALGO", "Ring")  # tree/NVLS reductions change the summation order
+
+
+def device_of(args) -> torch.device:
+    if args.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,84 @@
+"""megatron-core GPTModel from Megatron arguments, with our layer spec."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.models.gpt import GPTModel
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnBackend
+from megatron.core.transformer.module import Float16Module
+from megatron.longseq.attention.spec import gpt_block_spec
+from megatron.longseq.config import LongSeqConfig
+from megatron.longseq.recompute import apply_full_recompute
+
+
+def transformer_config(args) -> LongSeqConfig:
+    return LongSeqConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        layernorm_epsilon=args.norm_epsilon,
+        normalization=args.normalization,
+        add_bias_linear=args.add_bias_linear,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        init_method_std=args.init_method_std,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        bf16=args.bf16,
+        params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        # Initialise the full weights on CPU from one seed and split them: every tp size starts
+        # from the same model, which is what makes runs of different layouts comparable.
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        deterministic_mode=args.deterministic_mode,
+        attention_backend=AttnBackend[args.attention_backend],
+        calculate_per_token_loss=args.calculate_per_token_loss,
+        # Fusions that need CUDA extensions stay off; the local spec has none of them.
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        use_rope=args.position_embedding_type == "rope",
+        rotary_base=float(args.rotary_base),
+        rotary_percent=args.rotary_percent,
+        recompute_core_attention=args.recompute_granularity == "selective",
+    )
+
+
+def build_gpt_model(args, pgs, device: torch.device, pre_process: bool = True, post_process: bool = True):
+    """GPTModel on `device`; bf16 models come wrapped in megatron-core's Float16Module."""
+    config = transformer_config(args)
+    num_layers = args.num_layers // args.pipeline_model_parallel_size
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=gpt_block_spec(config, num_layers, args.transformer_impl),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        # RoPE is applied inside our core attention from position ids; GPTModel adds nothing.
+        position_embedding_type="learned_absolute" if args.position_embedding_type == "learned_absolute" else "none",
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+    )
+    if args.recompute_granularity == "full":
+        apply_full_recompute(model.decoder.layers, args.recompute_method, args.recompute_num_layers)
+    model.to(device)
+    return Float16Module(config, model) if args.bf16 else model
+
+
+def unwrap(model):
+    return model.module if isinstance(model, Float16Module) else model

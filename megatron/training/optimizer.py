@@ -1,0 +1,148 @@
+"""AdamW over fp32 main parameters, sharded over data parallel with --use-distributed-optimizer.
+
+The main parameters are slices of one flat fp32 buffer: the model's own parameter buffer when the
+model is fp32, an fp32 copy when it is bf16 (Megatron's mixed precision). The optimizer sees the
+pieces of parameters inside the flat ranges this rank owns (all of them, unless sharded), so the
+unsharded optimizer is the sharded one with one shard: one code path.
+
+Norms and zero counts follow Megatron: a parameter replicated over tp ranks is counted on tp rank 0
+only; sums are completed over the shard group (dp, when sharded) and the model-parallel group.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List
+
+import torch
+import torch.distributed as dist
+
+from megatron.training.distributed import GradBuffer
+
+
+def no_weight_decay(name: str, param: torch.Tensor) -> bool:
+    """Megatron's default: biases and 1-D parameters (norm weights) are not decayed."""
+    return name.endswith(".bias") or param.dim() == 1
+
+
+@dataclass
+class Fragment:
+    main: torch.Tensor  # fp32 view of the main buffer; .grad is a view of the grad buffer
+    counted: bool  # counted in norms (not a replica of tp rank 0's copy)
+
+
+class DistributedAdam:
+    def __init__(self, named_params, buffer: GradBuffer, pgs, args):
+        self.buffer, self.pgs = buffer, pgs
+        self.clip_grad = args.clip_grad
+        self.check_nan = args.check_for_nan_in_loss_and_grad
+        names = {p: n for n, p in named_params}
+        self.fp32_model = buffer.param_data.dtype == torch.float32
+        self.main_data = buffer.param_data if self.fp32_model else self._main_copy()
+        tp_rank = pgs.index("tp")
+        self.fragments: List[Fragment] = []
+        groups = {True: [], False: []}
+        for p, start, end in buffer.param_fragments():
+            main = self.main_data[start:end]
+            main.grad = buffer.grad_data[start:end]
+            counted = getattr(p, "tensor_model_parallel", False) or tp_rank == 0
+            self.fragments.append(Fragment(main, counted))
+            groups[not no_weight_decay(names[p], p)].append(main)
+        param_groups = [
+            {"params": groups[True], "wd_mult": 1.0},
+            {"params": groups[False], "wd_mult": 0.0},
+        ]
+        self.optimizer = torch.optim.AdamW(
+            [g for g in param_groups if g["params"]], lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
+            eps=args.adam_eps, weight_decay=args.weight_decay,
+        )
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups  # what the LR scheduler drives
+
+    def _main_copy(self) -> torch.Tensor:
+        main = torch.zeros(self.buffer.param_data.numel(), dtype=torch.float32, device=self.buffer.param_data.device)
+        for lo, hi in self.buffer.owned_ranges():
+            main[lo:hi] = self.buffer.param_data[lo:hi].float()
+        return main
+
+    # ---- global reductions -------------------------------------------------------------------
+    def _global_sum(self, value: torch.Tensor) -> torch.Tensor:
+        if self.buffer.shards > 1:
+            dist.all_reduce(value, group=self.buffer.dp_group)
+        if self.pgs.size("mp") > 1:
+            dist.all_reduce(value, group=self.pgs.mp)
+        return value
+
+    def _norm(self, tensors) -> float:
+        device = self.main_data.device
+        sq = torch.zeros((), dtype=torch.float32, device=device)
+        for t in tensors:
+            sq += t.float().square().sum()
+        return math.sqrt(self._global_sum(sq).item())
+
+    def grad_norm(self) -> float:
+        return self._norm(f.main.grad for f in self.fragments if f.counted)
+
+    def params_norm(self) -> float:
+        return self._norm(f.main for f in self.fragments if f.counted)
+
+    def count_zeros(self) -> int:
+        zeros = torch.zeros((), dtype=torch.float32, device=self.main_data.device)
+        for f in self.fragments:
+            if f.counted:
+                zeros += (f.main.grad == 0).sum()
+        return int(self._global_sum(zeros).item())
+
+    # ---- step ------------------------------------------------------------------------------------
+    def step(self, count_zeros: bool = False):
+        """Clip, update the owned main params, publish them to the model. Returns
+        (update_successful, grad_norm, num_zeros) like megatron-core's optimizers."""
+        grad_norm = self.grad_norm()
+        if self.check_nan and not math.isfinite(grad_norm):
+            raise FloatingPointError(f"grad norm is {grad_norm}: NaN or Inf in the gradients")
+        if self.clip_grad > 0:
+            coeff = self.clip_grad / (grad_norm + 1.0e-6)
+            if coeff < 1.0:
+                for f in self.fragments:
+                    f.main.grad.mul_(coeff)
+        num_zeros = self.count_zeros() if count_zeros else None
+        self.optimizer.step()
+        if not self.fp32_model:
+            for lo, hi in self.buffer.owned_ranges():
+                self.buffer.param_data[lo:hi].copy_(self.main_data[lo:hi])
+        self.buffer.all_gather_params()
+        return True, grad_norm, num_zeros
+
+    def reload_model_params(self) -> None:
+        """After loading model weights: the fp32 main copy starts from them."""
+        if not self.fp32_model:
+            for lo, hi in self.buffer.owned_ranges():
+                self.main_data[lo:hi].copy_(self.buffer.param_data[lo:hi])
+
+    def zero_grad(self) -> None:
+        self.buffer.zero_grad()
+
+    # ---- checkpoint ------------------------------------------------------------------------------
+    def layout(self) -> dict:
+        return {"shards": self.buffer.shards, "ranges": self.buffer.owned_ranges()}
+
+    def state_dict(self) -> dict:
+        state = {"optimizer": self.optimizer.state_dict(), "layout": self.layout()}
+        if not self.fp32_model:
+            state["main_params"] = [self.main_data[lo:hi].clone() for lo, hi in self.buffer.owned_ranges()]
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["layout"] != self.layout():
+            raise ValueError(
+                f"optimizer checkpoint layout {state['layout']['shards']} shard(s) does not match this "
+                f"run's {self.buffer.shards}; a distributed-optimizer checkpoint resumes on the same "
+                f"data-parallel size (or load with --no-load-optim)"
+            )
+        self.optimizer.load_state_dict(state["optimizer"])
+        # load_state_dict rebuilt the param groups from ours; the fragments stay the same objects.
+        if "main_params" in state:
+            for (lo, hi), saved in zip(self.buffer.owned_ranges(), state["main_params"]):
+                self.main_data[lo:hi].copy_(saved)

@@ -1,0 +1,65 @@
+"""Wall-clock timers with Megatron's log levels, min/max across ranks."""
+from __future__ import annotations
+
+import time
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+
+
+class Timer:
+    def __init__(self, sync: bool):
+        self.sync = sync
+        self.elapsed_s = 0.0
+        self._start = None
+
+    def start(self):
+        if self.sync:
+            torch.cuda.synchronize()
+        self._start = time.perf_counter()
+
+    def stop(self):
+        if self.sync:
+            torch.cuda.synchronize()
+        self.elapsed_s += time.perf_counter() - self._start
+        self._start = None
+
+    def pop(self) -> float:
+        value, self.elapsed_s = self.elapsed_s, 0.0
+        return value
+
+
+class Timers:
+    """timers(name, level) returns a timer; timers above --timing-log-level are no-ops."""
+
+    class _Null:
+        def start(self):
+            pass
+
+        def stop(self):
+            pass
+
+    def __init__(self, log_level: int, cuda: bool):
+        self.log_level, self.cuda = log_level, cuda
+        self.timers: Dict[str, Timer] = {}
+
+    def __call__(self, name: str, level: int = 0):
+        """The first call fixes the timer's level; later calls (stop) return the same timer."""
+        if name not in self.timers:
+            self.timers[name] = Timer(self.cuda) if level <= self.log_level else self._Null()
+        return self.timers[name]
+
+    def pop_min_max(self, names: List[str]) -> Dict[str, tuple]:
+        """Elapsed ms of each timer since the last pop, as (min, max) over all ranks."""
+        names = [n for n in names if isinstance(self.timers.get(n), Timer)]
+        if not names:
+            return {}
+        values = torch.tensor([self.timers[n].pop() * 1000.0 for n in names], dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
+            lo, hi = values.to(device), values.to(device).clone()
+            dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+            dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+            return {n: (a, b) for n, a, b in zip(names, lo.tolist(), hi.tolist())}
+        return {n: (v, v) for n, v in zip(names, values.tolist())}

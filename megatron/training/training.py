@@ -1,0 +1,300 @@
+"""Megatron's pretrain(): set-up, the training loop, evaluation, checkpoints, logging."""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.utils import get_model_config
+from megatron.longseq.pipeline.schedules import forward_backward_no_pipelining
+from megatron.training.arguments import ArgsError, parse_args
+from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron.training.data import build_loader, train_valid_test_num_samples
+from megatron.training.distributed import GradBuffer
+from megatron.training.flops import default_peak_tflops, num_floating_point_operations
+from megatron.training.initialize import device_of, initialize_distributed
+from megatron.training.metrics import (
+    IntervalStats, TensorboardLogger, format_iteration_line, memory_line, print_rank_0, print_rank_last,
+)
+from megatron.training.model import unwrap
+from megatron.training.optimizer import DistributedAdam
+from megatron.training.timers import Timers
+from megatron.training.tokenizer import build_tokenizer
+from megatron.training.validate import padded_vocab_size, validate_args, world_size_from_env
+
+
+@dataclass
+class TrainState:
+    model: torch.nn.Module  # as called (bf16 wrapper included)
+    optimizer: DistributedAdam
+    scheduler: OptimizerParamScheduler
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    flops_so_far: float = 0.0
+
+
+def parse_and_validate(argv=None, extra_args_provider=None):
+    return validate_args(parse_args(argv, extra_args_provider), world_size_from_env())
+
+
+def run_main(main) -> None:
+    """Run `main`; a bad command line is one line on stderr and exit status 2."""
+    try:
+        main()
+    except ArgsError as err:
+        import os
+
+        if os.environ.get("RANK", "0") == "0" and os.environ.get("SLURM_PROCID", "0") == "0":
+            print(f"pretrain_gpt.py: error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def _print_args(args) -> None:
+    print_rank_0("------------------------ arguments ------------------------")
+    for key in sorted(vars(args)):
+        if not key.startswith("_"):
+            print_rank_0(f"  {key} {'.' * (48 - len(key))} {getattr(args, key)}")
+    print_rank_0("-------------------- end of arguments ---------------------")
+
+
+def build_scheduler(args, optimizer) -> OptimizerParamScheduler:
+    """Megatron counts schedule steps in samples: iterations x global batch size."""
+    decay_steps = args.lr_decay_iters * args.global_batch_size
+    warmup_steps = (args.lr_warmup_fraction * decay_steps if args.lr_warmup_fraction is not None
+                    else args.lr_warmup_iters * args.global_batch_size)
+    return OptimizerParamScheduler(
+        optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=warmup_steps, lr_decay_steps=decay_steps, lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay, end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters * args.global_batch_size, wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=True, override_opt_param_scheduler=False,
+    )
+
+
+def finalize_model_grads(buffer: GradBuffer, pgs, model_chunks, num_tokens: Optional[torch.Tensor]) -> None:
+    """After the last backward of an iteration (megatron-core's finalize_model_grads contract)."""
+    buffer.finish_grad_sync()
+    if pgs.size("tp") > 1:
+        # Sequence parallel: norm weights saw only this rank's sequence shard.
+        for p in buffer.offsets:
+            if getattr(p, "sequence_parallel", False):
+                dist.all_reduce(p.main_grad, group=pgs.tp)
+    if num_tokens is not None:  # --calculate-per-token-loss: divide by the global token count
+        num_tokens = num_tokens.to(buffer.grad_data.device)
+        dist.all_reduce(num_tokens, group=pgs.dp_cp)
+        buffer.grad_data.div_(num_tokens.clamp(min=1))
+
+
+def setup(args, pgs, model_provider):
+    device = device_of(args)
+    model = model_provider(args, pgs, device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    buffer = GradBuffer(params, pgs.dp_cp, shard=args.use_distributed_optimizer, overlap=args.overlap_grad_reduce,
+                        bucket_elements=args.ddp_bucket_size, average=not args.calculate_per_token_loss)
+    optimizer = DistributedAdam(unwrap(model).named_parameters(), buffer, pgs, args)
+    config = get_model_config(model)
+    config.no_sync_func = buffer.no_sync
+    config.finalize_model_grads_func = partial(finalize_model_grads, buffer, pgs)
+    return TrainState(model, optimizer, build_scheduler(args, optimizer))
+
+
+def reduce_reports(reports, pgs, device) -> Dict[str, float]:
+    """Per-micro-batch {'name': [sum, count]} -> global means over micro-batches and dp x cp."""
+    if not reports:
+        return {}
+    out = {}
+    for key in reports[0]:
+        total = torch.stack([r[key].detach().float().to(device) for r in reports]).sum(dim=0)
+        dist.all_reduce(total, group=pgs.dp_cp)
+        out[key] = (total[0] / total[1].clamp(min=1)).item()
+    return out
+
+
+def train_step(forward_step_func, data_iterator, state: TrainState, args, pgs, timers):
+    state.optimizer.zero_grad()
+    timers("forward-backward", 1).start()
+    reports = forward_backward_no_pipelining(
+        forward_step_func=forward_step_func, data_iterator=data_iterator, model=[state.model],
+        num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size, forward_only=False,
+    )
+    timers("forward-backward").stop()
+    timers("optimizer", 1).start()
+    _, grad_norm, num_zeros = state.optimizer.step(count_zeros=args.log_num_zeros_in_grad)
+    timers("optimizer").stop()
+    state.scheduler.step(increment=args.global_batch_size)
+    losses = reduce_reports(reports, pgs, state.optimizer.main_data.device)
+    if args.check_for_nan_in_loss_and_grad and any(not math.isfinite(v) for v in losses.values()):
+        raise FloatingPointError(f"loss is {losses} at iteration {state.iteration + 1}")
+    return losses, grad_norm, num_zeros
+
+
+def evaluate(forward_step_func, data_iterator, state: TrainState, args, pgs, num_iters: int):
+    state.model.eval()
+    totals = []
+    with torch.no_grad():
+        for _ in range(num_iters):
+            totals.extend(forward_backward_no_pipelining(
+                forward_step_func=forward_step_func, data_iterator=data_iterator, model=[state.model],
+                num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size, forward_only=True,
+            ))
+    state.model.train()
+    return reduce_reports(totals, pgs, state.optimizer.main_data.device)
+
+
+def evaluate_and_print(name, forward_step_func, data_iterator, state, args, pgs, tb, count_samples):
+    losses = evaluate(forward_step_func, data_iterator, state, args, pgs, args.eval_iters)
+    if count_samples:
+        state.consumed_valid_samples += args.eval_iters * args.global_batch_size
+    line = f" {name} loss at {'iteration ' + str(state.iteration) if count_samples else 'the end of training'} |"
+    for key, value in losses.items():
+        ppl = math.exp(min(20.0, value))
+        line += f" {key} value: {value:.6E} | {key} PPL: {ppl:.6E} |"
+        suffix = "validation" if name == "validation" else "test"
+        tb.scalars({f"{key} {suffix}": value}, state.iteration, state.consumed_train_samples)
+        if args.log_validation_ppl_to_tensorboard:
+            tb.scalars({f"{key} {suffix} ppl": ppl}, state.iteration, state.consumed_train_samples)
+    rule = "-" * len(line)
+    print_rank_last(f"{rule}\n{line}\n{rule}")
+
+
+class _Reporter:
+    """Everything logged between iterations: the line, memory once, timers, tensorboard."""
+
+    TIMERS = ("forward-backward", "optimizer")
+
+    def __init__(self, args, pgs, timers, tb):
+        self.args, self.pgs, self.timers, self.tb = args, pgs, timers, tb
+        self.stats = IntervalStats()
+        self.memory_reported = False
+        self.flops_per_iter = num_floating_point_operations(args, args.global_batch_size)
+        self.peak = args.peak_tflops if args.peak_tflops is not None else default_peak_tflops()
+        self.last = time.perf_counter()
+
+    def iteration(self, state: TrainState, losses, grad_norm, num_zeros):
+        args = self.args
+        self.stats.add(losses, skipped=False)
+        lr = state.optimizer.param_groups[0]["lr"]
+        params_norm = state.optimizer.params_norm() if args.log_params_norm else None
+        if state.iteration % args.tensorboard_log_interval == 0:
+            values = {"learning-rate": lr, "batch-size": args.global_batch_size, "loss-scale": 1.0,
+                      "grad-norm": grad_norm, "num-zeros": num_zeros, "params-norm": params_norm, **losses}
+            self.tb.scalars(values, state.iteration, state.consumed_train_samples)
+            if args.log_memory_to_tensorboard:
+                self.tb.memory(state.iteration)
+        if state.iteration % args.log_interval == 0:
+            self._log_line(state, lr, grad_norm, num_zeros, params_norm)
+
+    def _log_line(self, state, lr, grad_norm, num_zeros, params_norm):
+        args, now = self.args, time.perf_counter()
+        elapsed = (now - self.last) / self.stats.iterations
+        self.last = now
+        extra = {}
+        if args.log_throughput:
+            tflops = self.flops_per_iter / (elapsed * 1e12 * args.world_size)
+            extra = {"tflops": tflops, "mfu": tflops / self.peak if self.peak else None,
+                     "tokens_per_gpu": args.global_batch_size * args.seq_length / elapsed / args.world_size}
+            self.tb.scalars({"throughput": tflops}, state.iteration, state.consumed_train_samples)
+        self.tb.scalars({"iteration-time": elapsed}, state.iteration, state.consumed_train_samples)
+        print_rank_last(format_iteration_line(
+            iteration=state.iteration, train_iters=args.train_iters,
+            consumed_samples=state.consumed_train_samples, elapsed_ms=elapsed * 1000.0, lr=lr,
+            global_batch_size=args.global_batch_size, losses=self.stats.means(), grad_norm=grad_norm,
+            num_zeros=num_zeros, params_norm=params_norm, skipped=self.stats.skipped, nan=self.stats.nan, **extra,
+        ))
+        self.stats = IntervalStats()
+        if not self.memory_reported:
+            print_rank_0(memory_line(state.iteration))
+            self.memory_reported = True
+        self._timers(state.iteration)
+
+    def _timers(self, iteration):
+        times = self.timers.pop_min_max(list(self.TIMERS))
+        if not times:
+            return
+        lines = [f"    {name} {'.' * (40 - len(name))}: ({lo:.2f}, {hi:.2f})" for name, (lo, hi) in times.items()]
+        print_rank_0("(min, max) time across ranks (ms):\n" + "\n".join(lines))
+        if self.args.log_timers_to_tensorboard:
+            self.tb.scalars({f"{n}-time": hi for n, (_, hi) in times.items()}, iteration)
+
+
+def train(forward_step_func, train_iter, valid_iter, state: TrainState, args, pgs, timers, tb) -> bool:
+    """The loop. Returns True when --exit-interval stopped it."""
+    reporter = _Reporter(args, pgs, timers, tb)
+    state.model.train()
+    while state.iteration < args.train_iters:
+        losses, grad_norm, num_zeros = train_step(forward_step_func, train_iter, state, args, pgs, timers)
+        state.iteration += 1
+        state.consumed_train_samples += args.global_batch_size
+        state.flops_so_far += reporter.flops_per_iter
+        reporter.iteration(state, losses, grad_norm, num_zeros)
+        if valid_iter is not None and args.eval_iters > 0 and state.iteration % args.eval_interval == 0:
+            evaluate_and_print("validation", forward_step_func, valid_iter, state, args, pgs, tb, True)
+        saved = False
+        if args.save and args.save_interval and state.iteration % args.save_interval == 0:
+            save_and_report(args, state, pgs)
+            saved = True
+        if args.exit_interval and state.iteration % args.exit_interval == 0:
+            if args.save and not saved:
+                save_and_report(args, state, pgs)
+            print_rank_0(f"exiting program at iteration {state.iteration}")
+            return True
+    return False
+
+
+def save_and_report(args, state, pgs):
+    start = time.perf_counter()
+    path = save_checkpoint(args, state, pgs)
+    print_rank_0(f"  successfully saved checkpoint from iteration {state.iteration:7d} to {path} "
+                 f"[ t {time.perf_counter() - start:.2f}s ]")
+
+
+def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_func, argv=None,
+             extra_args_provider=None):
+    """Megatron's entry point, with explicit arguments instead of globals."""
+    args = parse_and_validate(argv, extra_args_provider)
+    pgs = initialize_distributed(args)
+    tokenizer = build_tokenizer(args)
+    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
+                                               args.tensor_model_parallel_size)
+    print_rank_0(f"> {pgs.grid.describe()}")
+    print_rank_0(f"> padded vocab (size: {tokenizer.vocab_size}) with "
+                 f"{args.padded_vocab_size - tokenizer.vocab_size} dummy tokens (new size: {args.padded_vocab_size})")
+    _print_args(args)
+    state = setup(args, pgs, model_provider)
+    if args.load and load_checkpoint(args, state, pgs):
+        print_rank_0(f"  successfully loaded checkpoint from {args.load} at iteration {state.iteration}")
+    elif args.load:
+        print_rank_0(f"WARNING: no checkpoint under {args.load}; starting from random initialisation")
+    train_ds, valid_ds, test_ds = train_valid_test_datasets_provider(args, tokenizer, train_valid_test_num_samples(args))
+    train_iter = build_loader(train_ds, state.consumed_train_samples, args, pgs)
+    valid_iter = build_loader(valid_ds, state.consumed_valid_samples, args, pgs)
+    timers = Timers(args.timing_log_level, args.device_type == "cuda")
+    tb = TensorboardLogger(args.tensorboard_dir)
+    try:
+        exited = train(forward_step_func, train_iter, valid_iter, state, args, pgs, timers, tb)
+        if not exited:
+            _finish(args, state, pgs, forward_step_func, valid_iter, test_ds, tb)
+    finally:
+        tb.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _finish(args, state, pgs, forward_step_func, valid_iter, test_ds, tb):
+    if args.save and (not args.save_interval or state.iteration % args.save_interval != 0):
+        save_and_report(args, state, pgs)
+    if args.eval_iters > 0 and valid_iter is not None:
+        evaluate_and_print("validation", forward_step_func, valid_iter, state, args, pgs, tb, False)
+    test_iter = build_loader(test_ds, 0, args, pgs)
+    if args.eval_iters > 0 and test_iter is not None:
+        evaluate_and_print("test", forward_step_func, test_iter, state, args, pgs, tb, False)

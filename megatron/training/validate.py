@@ -1,0 +1,196 @@
+"""Argument validation and derived values. Runs before any process group is built: every error is
+one line with the numbers that do not fit, and the run exits non-zero having done no work."""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+import torch
+
+from megatron.longseq.parallel_state import GridError, RankGrid
+from megatron.training.arguments import ArgsError
+
+REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+            "micro_batch_size", "train_iters", "lr", "tokenizer_type")
+
+
+def world_size_from_env() -> int:
+    """torchrun sets WORLD_SIZE; srun sets SLURM_NTASKS; a bare python run is one rank."""
+    for var in ("WORLD_SIZE", "SLURM_NTASKS"):
+        if os.environ.get(var):
+            return int(os.environ[var])
+    return 1
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ArgsError(message)
+
+
+def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """Check `args` for a run of `world_size` ranks and fill in derived values. Raises ArgsError."""
+    for name in REQUIRED:
+        _require(getattr(args, name) is not None, f"{_flag(name)} is required")
+    _model_args(args)
+    _parallel_args(args, world_size)
+    _batch_args(args)
+    _schedule_args(args)
+    _recompute_args(args)
+    _data_args(args)
+    _checkpoint_args(args)
+    return args
+
+
+def _model_args(args):
+    _require(args.num_layers > 0 and args.hidden_size > 0 and args.num_attention_heads > 0,
+             "--num-layers, --hidden-size and --num-attention-heads must be positive")
+    if args.kv_channels is None:
+        _require(args.hidden_size % args.num_attention_heads == 0,
+                 f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+                 f"{args.num_attention_heads} (or pass --kv-channels)")
+        args.kv_channels = args.hidden_size // args.num_attention_heads
+    if not args.group_query_attention:
+        args.num_query_groups = args.num_attention_heads
+    _require(args.num_attention_heads % args.num_query_groups == 0,
+             f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+             f"--num-query-groups {args.num_query_groups}")
+    if args.ffn_hidden_size is None:
+        # Megatron: 4h, or for SwiGLU 2/3 of that rounded down to a multiple of 64.
+        args.ffn_hidden_size = 4 * args.hidden_size
+        if args.swiglu:
+            args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    _require(args.seq_length <= args.max_position_embeddings,
+             f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
+             f"{args.max_position_embeddings}")
+    if args.position_embedding_type == "rope":
+        rot = int(args.kv_channels * args.rotary_percent)
+        _require(rot > 0 and rot % 2 == 0,
+                 f"rotary dim = kv channels {args.kv_channels} x --rotary-percent "
+                 f"{args.rotary_percent} = {rot} must be a positive even number")
+    for name in ("hidden_dropout", "attention_dropout"):
+        _require(0.0 <= getattr(args, name) < 1.0, f"{_flag(name)} must be in [0, 1)")
+    if args.tokenizer_type == "NullTokenizer":
+        _require(args.vocab_size is not None and args.vocab_size > 0,
+                 "--tokenizer-type NullTokenizer needs --vocab-size")
+
+
+def _parallel_args(args, world_size):
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    _require(pp == 1, f"--pipeline-model-parallel-size {pp}: pipeline parallelism is not implemented yet; use 1")
+    _require(cp == 1, f"--context-parallel-size {cp}: context parallelism is not implemented yet; use 1")
+    try:
+        grid = RankGrid(world_size=world_size, tp=tp, pp=pp, cp=cp)
+    except GridError as err:
+        raise ArgsError(str(err)) from None
+    args.world_size = world_size
+    args.data_parallel_size = grid.dp
+    _require(args.num_attention_heads % tp == 0,
+             f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+             f"--tensor-model-parallel-size {tp}")
+    _require(args.num_query_groups % tp == 0,
+             f"number of query groups {args.num_query_groups} is not divisible by "
+             f"--tensor-model-parallel-size {tp}")
+    cuda = torch.cuda.is_available()
+    if args.distributed_backend is None:
+        args.distributed_backend = "nccl" if cuda else "gloo"
+    _require(cuda or args.distributed_backend == "gloo",
+             "--distributed-backend nccl needs CUDA devices; none is visible (use gloo on CPU)")
+    args.device_type = "cuda" if cuda else "cpu"
+    if args.sequence_parallel and tp == 1:
+        args.sequence_parallel = False  # as Megatron: nothing to split with one tp rank
+    _require(not args.sequence_parallel or cuda,
+             "--sequence-parallel needs CUDA: megatron-core 0.16's sequence-parallel collectives "
+             "allocate their buffers on the GPU")
+    _require(args.transformer_impl == "local" or cuda,
+             "--transformer-impl transformer_engine needs CUDA and Transformer Engine; use local on CPU")
+
+
+def _batch_args(args):
+    dp, mbs = args.data_parallel_size, args.micro_batch_size
+    _require(mbs > 0, f"--micro-batch-size must be positive, got {mbs}")
+    if args.global_batch_size is None:
+        args.global_batch_size = mbs * dp
+    _require(args.global_batch_size % (mbs * dp) == 0,
+             f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+             f"{mbs} x data-parallel size {dp} = {mbs * dp}")
+    args.num_microbatches = args.global_batch_size // (mbs * dp)
+
+
+def _schedule_args(args):
+    _require(args.train_iters > 0, f"--train-iters must be positive, got {args.train_iters}")
+    _require(args.lr >= args.min_lr >= 0.0, f"need --lr {args.lr} >= --min-lr {args.min_lr} >= 0")
+    _require(not (args.lr_warmup_fraction is not None and args.lr_warmup_iters),
+             "--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    warmup = (args.lr_warmup_fraction * args.lr_decay_iters if args.lr_warmup_fraction is not None
+              else args.lr_warmup_iters)
+    _require(warmup < args.lr_decay_iters,
+             f"warm-up ({warmup:g} iterations) must be shorter than --lr-decay-iters {args.lr_decay_iters}")
+    _require(args.log_interval > 0, "--log-interval must be positive")
+    _require(args.eval_interval is None or args.eval_interval > 0, "--eval-interval must be positive")
+
+
+def _recompute_args(args):
+    gran, method, n = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
+    if gran == "full":
+        _require(method is not None, "--recompute-granularity full needs --recompute-method uniform|block")
+        _require(n is not None and 1 <= n <= args.num_layers,
+                 f"--recompute-num-layers must be in [1, --num-layers {args.num_layers}], got {n}")
+    else:
+        _require(method is None, "--recompute-method needs --recompute-granularity full")
+
+
+def _data_args(args):
+    _require(args.mock_data != bool(args.data_path),
+             "give exactly one of --mock-data and --data-path")
+    if args.data_path:
+        for prefix in data_prefixes(args.data_path):
+            for ext in (".bin", ".idx"):
+                path = prefix + ext
+                _require(os.path.isfile(path) and os.access(path, os.R_OK),
+                         f"--data-path: cannot read {path}")
+    if args.split is None:
+        args.split = "969, 30, 1"  # Megatron's default train/valid/test split
+    if args.tokenizer_type == "HuggingFaceTokenizer":
+        _require(args.tokenizer_model is not None and os.path.isdir(args.tokenizer_model),
+                 f"--tokenizer-model must be a local directory for HuggingFaceTokenizer, got "
+                 f"{args.tokenizer_model} (nothing is downloaded at run time)")
+    if args.tokenizer_type == "GPT2BPETokenizer":
+        for name in ("vocab_file", "merge_file"):
+            path = getattr(args, name)
+            _require(path is not None and os.path.isfile(path),
+                     f"GPT2BPETokenizer needs {_flag(name)} pointing at a local file, got {path}")
+    _require(args.num_workers >= 0, "--num-workers must be >= 0")
+
+
+def data_prefixes(data_path):
+    """Megatron's --data-path is either 'prefix ...' or 'weight prefix weight prefix ...'."""
+    try:
+        float(data_path[0])
+    except ValueError:
+        return list(data_path)
+    _require(len(data_path) % 2 == 0, f"--data-path with weights needs pairs 'weight prefix', got {data_path}")
+    return list(data_path[1::2])
+
+
+def _checkpoint_args(args):
+    _require(args.save_interval is None or args.save is not None, "--save-interval needs --save")
+    _require(args.save_interval is None or args.save_interval > 0, "--save-interval must be positive")
+    _require(args.ckpt_format == "torch",
+             "--ckpt-format torch_dist is not implemented; use --ckpt-format torch")
+    if args.exit_interval is not None:
+        _require(args.exit_interval > 0, "--exit-interval must be positive")
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron pads the vocabulary to a multiple of make-vocab-size-divisible-by x tp."""
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)

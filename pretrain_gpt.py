@@ -1,0 +1,58 @@
+"""Pretrain a GPT model with Megatron's command line (megatron-core GPTModel, long-sequence extensions).
+
+    torchrun --nproc-per-node 4 pretrain_gpt.py --tensor-model-parallel-size 2 --num-layers 2 ...
+
+Same shape as Megatron-LM's script: model provider, batch, loss, forward step, datasets provider.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from megatron.longseq.attention.core import AttentionInputs
+from megatron.training.data import build_datasets, to_device
+from megatron.training.model import build_gpt_model
+from megatron.training.training import pretrain, run_main
+
+
+def model_provider(args, pgs, device, pre_process=True, post_process=True):
+    return build_gpt_model(args, pgs, device, pre_process=pre_process, post_process=post_process)
+
+
+def get_batch(data_iterator, device):
+    """tokens, labels, loss_mask, attention_mask (document masks only), position_ids."""
+    batch = to_device(next(data_iterator), device)
+    mask = batch.get("attention_mask")
+    return batch["tokens"], batch["labels"], batch["loss_mask"], mask, batch["position_ids"]
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Sum of masked per-token losses, the token count, and the same pair for the report (the
+    trainer reduces reports once per iteration, over micro-batches and data-parallel ranks)."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss_sum = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int64)
+    report = torch.stack([loss_sum.detach(), mask.sum().detach()])
+    return loss_sum, num_tokens, {"lm loss": report}
+
+
+def forward_step(data_iterator, model):
+    device = next(model.parameters()).device
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, device)
+    output = model(tokens, position_ids, attention_mask, labels=labels,
+                   packed_seq_params=AttentionInputs(position_ids=position_ids))
+    return output, partial(loss_func, loss_mask)
+
+
+def train_valid_test_datasets_provider(args, tokenizer, num_samples):
+    return build_datasets(args, tokenizer, num_samples)
+
+
+def main(argv=None):
+    pretrain(train_valid_test_datasets_provider, model_provider, forward_step, argv=argv)
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,30 @@
+"""Megatron-LongSeq: the megatron.training and megatron.longseq namespace portions.
+
+megatron.core comes from the megatron-core wheel; there is deliberately no megatron/__init__.py,
+so both portions share the `megatron` namespace.
+"""
+from setuptools import find_namespace_packages, setup
+
+setup(
+    name="megatron-longseq",
+    version="0.1.0",
+    description="Megatron-LM-compatible GPT pretraining for long sequences on megatron-core",
+    python_requires=">=3.10",
+    packages=find_namespace_packages(include=["megatron.training*", "megatron.longseq*"]),
+    py_modules=["pretrain_gpt"],
+    install_requires=[
+        "torch>=2.4",
+        "megatron-core>=0.16.1,<0.17",
+        "numpy",
+        "einops",
+        "gurobipy",
+        "ortools",
+        "tensorboard",
+        # HuggingFaceTokenizer and GPT2BPETokenizer load local files through transformers.
+        "transformers",
+    ],
+    extras_require={
+        "gpu": ["transformer-engine[pytorch]", "flash-attn"],
+        "test": ["pytest", "matplotlib"],
+    },
+)
