@@ -65,8 +65,11 @@ def build_loader(dataset, consumed_samples: int, args, pgs) -> Optional[Iterator
         return None
     dp_rank, dp_size = pgs.index("dp"), pgs.size("dp")
     sampler = PretrainingSampler(len(dataset), consumed_samples, args.micro_batch_size, dp_rank, dp_size)
+    # The loader draws its workers' base seed when an iterator is made; from its own generator,
+    # so the training streams (dropout) are the same whether or not the run was resumed.
+    generator = torch.Generator().manual_seed(args.seed)
     loader = torch.utils.data.DataLoader(
-        dataset, batch_sampler=sampler, num_workers=args.num_workers,
+        dataset, batch_sampler=sampler, num_workers=args.num_workers, generator=generator,
         pin_memory=args.device_type == "cuda", persistent_workers=args.num_workers > 0,
     )
     return iter(loader)
