@@ -22,6 +22,7 @@ setup(
         "tensorboard",
         # HuggingFaceTokenizer and GPT2BPETokenizer load local files through transformers.
         "transformers",
+        "tokenizers",
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "flash-attn"],

@@ -159,6 +159,8 @@ def _data_args(args):
                          f"--data-path: cannot read {path}")
     if args.split is None:
         args.split = "969, 30, 1"  # Megatron's default train/valid/test split
+    if args.data_path:
+        _check_splits(args)
     if args.tokenizer_type == "HuggingFaceTokenizer":
         _require(args.tokenizer_model is not None and os.path.isdir(args.tokenizer_model),
                  f"--tokenizer-model must be a local directory for HuggingFaceTokenizer, got "
@@ -169,6 +171,30 @@ def _data_args(args):
             _require(path is not None and os.path.isfile(path),
                      f"GPT2BPETokenizer needs {_flag(name)} pointing at a local file, got {path}")
     _require(args.num_workers >= 0, "--num-workers must be >= 0")
+
+
+def _check_splits(args):
+    """megatron-core's GPTDataset loops forever on a split that received no documents (it keeps
+    adding empty epochs); find that here, with megatron-core's own split arithmetic."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix, parse_and_normalize_split,
+    )
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    try:
+        matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(args.split))
+    except (AssertionError, ValueError):
+        raise ArgsError(f"--split {args.split!r}: expected up to three non-negative weights like '969,30,1'") from None
+    needed = {0: "train", 1: "validation", 2: "test"} if args.eval_iters > 0 else {0: "train"}
+    for prefix in data_prefixes(args.data_path):
+        num_docs = IndexedDataset(prefix).document_indices.shape[0] - 1
+        for i, name in needed.items():
+            if matrix[i] is None:
+                _require(i > 0, f"--split {args.split!r} gives the train split no weight")
+                continue
+            docs = int(round(matrix[i][1] * num_docs)) - int(round(matrix[i][0] * num_docs))
+            _require(docs > 0, f"--split {args.split!r}: the {name} split of {prefix} gets no documents "
+                               f"({num_docs} in all); give it more weight or pass --eval-iters 0")
 
 
 def data_prefixes(data_path):
