@@ -47,6 +47,8 @@ class RNGTracker:
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG):
         """Run the block on stream `name`; the default stream is left untouched."""
+        if name not in self.states:
+            raise RuntimeError(f"RNG stream {name!r} is not seeded; call seed_everything() first")
         saved = _get_state(self.device)
         _set_state(self.device, self.states[name])
         try:

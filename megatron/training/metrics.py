@@ -63,7 +63,9 @@ def format_iteration_line(*, iteration, train_iters, consumed_samples, elapsed_m
         f" elapsed time per iteration (ms): {elapsed_ms:.1f}",
     ]
     if tflops is not None:
-        parts.append(f" throughput per GPU (TFLOP/s/GPU): {tflops:.1f}")
+        # Megatron prints one decimal; tiny CPU runs would always show 0.0, so small values keep 3 digits.
+        parts.append(f" throughput per GPU (TFLOP/s/GPU): {tflops:.1f}" if tflops >= 1 else
+                     f" throughput per GPU (TFLOP/s/GPU): {tflops:.3g}")
         parts.append(f" tokens per second per GPU: {tokens_per_gpu:.1f}")
         if mfu is not None:
             parts.append(f" MFU: {100.0 * mfu:.1f}%")

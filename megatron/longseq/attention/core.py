@@ -6,6 +6,7 @@ by GPTModel: a rank may hold any subset of the tokens, and only the ids say wher
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -82,7 +83,8 @@ class LongSeqCoreAttention(MegatronModule):
         it takes an arbitrary mask and draws dropout itself. Megatron's mask is True where a
         query must NOT see a key; SDPA's boolean mask is True where it may."""
         mask = None if attention_mask is None else ~attention_mask
-        with get_rng_tracker().fork():  # heads are split over tp: a different stream per rank
+        # Heads are split over tp ranks: dropout draws from the per-rank stream.
+        with get_rng_tracker().fork() if dropout > 0.0 else contextlib.nullcontext():
             return torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
                 scale=self.scale, enable_gqa=q.shape[1] != k.shape[1],

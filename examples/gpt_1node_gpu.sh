@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# GPT-3 1.3B-shaped model on one node of GPUs: bf16, NCCL, distributed optimizer, overlapped
+# gradient reduction, flash attention through the fastest kernel present.
+#   DATA=/data/corpus_text_document VOCAB=gpt2-vocab.json MERGES=gpt2-merges.txt \
+#       bash examples/gpt_1node_gpu.sh [extra flags]
+# Without DATA it trains on mock data.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+GPUS=${GPUS:-$(nvidia-smi -L | wc -l)}
+SEQ=${SEQ:-8192}
+if [ -n "${DATA:-}" ]; then
+    DATA_ARGS=(--data-path "$DATA" --tokenizer-type GPT2BPETokenizer --vocab-file "$VOCAB" --merge-file "$MERGES")
+else
+    DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size 50257)
+fi
+exec torchrun --nproc-per-node "$GPUS" pretrain_gpt.py \
+    --num-layers 24 --hidden-size 2048 --num-attention-heads 16 \
+    --seq-length "$SEQ" --max-position-embeddings "$SEQ" --position-embedding-type rope \
+    --micro-batch-size 1 --global-batch-size $((GPUS * 8)) \
+    --train-iters 1000 --lr 2e-4 --min-lr 2e-5 --lr-decay-style cosine --lr-warmup-iters 100 \
+    --weight-decay 0.1 --clip-grad 1.0 --hidden-dropout 0 --attention-dropout 0 \
+    --bf16 --use-distributed-optimizer --overlap-grad-reduce \
+    "${DATA_ARGS[@]}" \
+    --log-interval 10 --log-throughput --eval-interval 500 --eval-iters 10 \
+    --save "${CKPT:-checkpoints/gpt-1.3b}" --load "${CKPT:-checkpoints/gpt-1.3b}" --save-interval 500 \
+    --tensorboard-dir "${TB:-runs/gpt-1.3b}" \
+    "$@"

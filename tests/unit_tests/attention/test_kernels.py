@@ -1,0 +1,105 @@
+"""Every local kernel against attention written out in float64 (forward, lse and gradients)."""
+import math
+
+import pytest
+import torch
+
+from megatron.longseq.attention.kernels import (
+    ReferenceKernel, TorchCpuFlashKernel, TorchCudaEfficientKernel, TorchCudaFlashKernel, select_kernel,
+)
+from megatron.longseq.attention.local import local_attention
+
+CUDA = torch.cuda.is_available()
+
+
+def naive(q, k, v, causal, scale):
+    """float64 softmax attention with autograd; GQA by repeating KV heads."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = (q @ k.transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+
+
+def make(b=2, hq=4, hkv=4, s=48, d=16, dtype=torch.float32, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, s, d, generator=g)
+    k = torch.randn(b, hkv, s, d, generator=g)
+    v = torch.randn(b, hkv, s, d, generator=g)
+    return [x.to(device=device, dtype=dtype) for x in (q, k, v)]
+
+
+def check_kernel(kernel, dtype, device, atol):
+    for hq, hkv in ((4, 4), (4, 2), (4, 1)):
+        for causal in (True, False):
+            q, k, v = make(hq=hq, hkv=hkv, dtype=dtype, device=device)
+            scale = 1 / math.sqrt(q.shape[-1])
+            q64, k64, v64 = (x.detach().cpu().double().requires_grad_() for x in (q, k, v))
+            ref_out, ref_lse = naive(q64, k64, v64, causal, scale)
+            dout = torch.randn_like(ref_out)
+            ref_out.backward(dout)
+            qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+            out, lse = local_attention(qq, kk, vv, kernel, causal, scale)
+            out.backward(dout.to(device=device, dtype=dtype))
+            assert lse.dtype == torch.float32 and lse.shape == q.shape[:3]
+            torch.testing.assert_close(out.double().cpu(), ref_out.detach(), atol=atol, rtol=0)
+            torch.testing.assert_close(lse.double().cpu(), ref_lse.detach(), atol=atol, rtol=0)
+            for got, want in ((qq.grad, q64.grad), (kk.grad, k64.grad), (vv.grad, v64.grad)):
+                assert got.shape == want.shape
+                torch.testing.assert_close(got.double().cpu(), want, atol=4 * atol, rtol=0)
+
+
+# Tolerances: inputs are N(0,1), d = 16, s = 48, so outputs and gradients are O(1). fp32 kernels
+# accumulate in fp32 over <= 48 terms: errors ~ 48 * 2^-24 ~ 3e-6; 2e-5 leaves margin. bf16 inputs
+# and outputs carry 2^-8 ~ 4e-3 relative rounding each; 3e-2 covers a few of those on O(1) values.
+@pytest.mark.parametrize("kernel", [ReferenceKernel(), TorchCpuFlashKernel()], ids=lambda k: k.name)
+def test_cpu_kernels_fp32(kernel):
+    check_kernel(kernel, torch.float32, "cpu", atol=2e-5)
+
+
+@pytest.mark.parametrize("kernel", [ReferenceKernel(), TorchCpuFlashKernel()], ids=lambda k: k.name)
+def test_cpu_kernels_bf16(kernel):
+    check_kernel(kernel, torch.bfloat16, "cpu", atol=3e-2)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_flash_kernel_bf16():
+    check_kernel(TorchCudaFlashKernel(), torch.bfloat16, "cuda", atol=3e-2)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_efficient_kernel_fp32():
+    # TF32 is off for these matmuls by default in torch; fp32 accumulation as on CPU.
+    check_kernel(TorchCudaEfficientKernel(), torch.float32, "cuda", atol=1e-4)
+
+
+def test_backward_with_merged_lse_is_the_gradient_of_the_merged_output():
+    """The property ring attention relies on: splitting the keys in two blocks, running each
+    block's kernel backward with the *merged* out and lse gives the full gradients."""
+    kernel = TorchCpuFlashKernel()
+    q, k, v = make(s=32)
+    scale = 0.25
+    halves = [(k[:, :, :16], v[:, :, :16]), (k[:, :, 16:], v[:, :, 16:])]
+    parts = [kernel.forward(q, kb, vb, False, scale) for kb, vb in halves]
+    lse = torch.logaddexp(parts[0][1], parts[1][1])
+    out = sum(o * torch.exp(l - lse).unsqueeze(-1) for o, l in parts)
+    full_out, full_lse = kernel.forward(q, k, v, False, scale)
+    torch.testing.assert_close(out, full_out, atol=1e-5, rtol=0)
+    torch.testing.assert_close(lse, full_lse, atol=1e-5, rtol=0)
+    dout = torch.randn_like(out)
+    grads = [kernel.backward(dout, q, kb, vb, out, lse, False, scale) for kb, vb in halves]
+    dq_full, dk_full, dv_full = kernel.backward(dout, q, k, v, full_out, full_lse, False, scale)
+    torch.testing.assert_close(grads[0][0] + grads[1][0], dq_full, atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.cat([grads[0][1], grads[1][1]], 2), dk_full, atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.cat([grads[0][2], grads[1][2]], 2), dv_full, atol=1e-5, rtol=0)
+
+
+def test_backend_selection_on_cpu():
+    cpu = torch.device("cpu")
+    assert select_kernel("auto", cpu, torch.float32).name == "torch-cpu-flash"
+    assert select_kernel("flash", cpu, torch.bfloat16).name == "torch-cpu-flash"
+    assert select_kernel("unfused", cpu, torch.float32).name == "reference"
+    assert select_kernel("local", cpu, torch.float32).name == "reference"
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        select_kernel("magic", cpu, torch.float32)

@@ -1,0 +1,70 @@
+import pytest
+import torch
+
+from megatron.longseq.attention.rope import RotaryEmbedding
+
+
+def complex_rope(x, positions, rot_dim, base):
+    """RoPE as a complex rotation, float64: pair (x_j, x_{j + rot/2}) is the number x_j + i x_{j+rot/2},
+    multiplied by exp(i * p * base^(-2j/rot))."""
+    half = rot_dim // 2
+    x64 = x.double()
+    z = torch.complex(x64[..., :half], x64[..., half:rot_dim])
+    inv = base ** (-torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim)
+    angle = positions.double().T[:, :, None, None] * inv  # [s, b, 1, half]
+    z = z * torch.exp(1j * angle)
+    return torch.cat([z.real, z.imag, x64[..., rot_dim:]], dim=-1)
+
+
+@pytest.mark.parametrize("percent", [1.0, 0.5])
+def test_rotation_matches_complex_form_with_arbitrary_positions(percent):
+    s, b, h, d = 12, 2, 3, 16
+    x = torch.randn(s, b, h, d)
+    positions = torch.randint(0, 5000, (b, s))
+    rope = RotaryEmbedding(d, rotary_percent=percent, rotary_base=10000)
+    got = rope(x, positions)
+    want = complex_rope(x, positions, int(d * percent), 10000.0)
+    # fp32 angles: p * inv_freq up to 5e3 rad rounds at ~5e3 * 2^-24 ~ 3e-4; values are O(1).
+    torch.testing.assert_close(got.double(), want, atol=1e-3, rtol=0)
+    if percent < 1:
+        assert torch.equal(got[..., int(d * percent):], x[..., int(d * percent):])
+
+
+def test_scores_depend_only_on_relative_position():
+    d = 8
+    rope = RotaryEmbedding(d)
+    q, k = torch.randn(1, 1, 1, d), torch.randn(1, 1, 1, d)
+    def score(pq, pk):
+        return (rope(q, torch.tensor([[pq]])) * rope(k, torch.tensor([[pk]]))).sum()
+    torch.testing.assert_close(score(10, 3), score(107, 100), atol=1e-5, rtol=0)
+
+
+def test_same_as_megatron_core_rope_for_contiguous_positions():
+    """Interchangeable with megatron-core's RoPE (non-interleaved), so checkpoints carry over."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding as McoreRope
+
+    s, b, h, d = 20, 2, 4, 32
+    x = torch.randn(s, b, h, d)
+    mcore = McoreRope(kv_channels=d, rotary_percent=0.5, rotary_base=500000, use_cpu_initialization=True)
+    # Its forward moves the frequencies to CUDA; its embedding is [s, 1, 1, rot] = cat(f, f) of
+    # positions x inv_freq (non-interleaved), built here from its own inv_freq.
+    freqs = torch.outer(torch.arange(s, dtype=torch.float32), mcore.inv_freq)
+    want = _apply_rotary_pos_emb_bshd(x, torch.cat([freqs, freqs], -1)[:, None, None, :])
+    ours = RotaryEmbedding(d, rotary_percent=0.5, rotary_base=500000)
+    got = ours(x, torch.arange(s).expand(b, s))
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+
+
+def test_bf16_input_keeps_dtype_and_rotates_in_fp32():
+    x = torch.randn(8, 1, 2, 16)
+    rope = RotaryEmbedding(16)
+    pos = torch.arange(8).unsqueeze(0)
+    got = rope(x.bfloat16(), pos)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), rope(x, pos), atol=3e-2, rtol=0)  # bf16 rounding of O(1)
+
+
+def test_odd_rotary_dim_is_rejected():
+    with pytest.raises(ValueError, match="must be a positive even number"):
+        RotaryEmbedding(10, rotary_percent=0.5)

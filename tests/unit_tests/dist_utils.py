@@ -1,0 +1,60 @@
+"""Run a test body on N gloo ranks (spawned processes), or in a one-rank world in this process.
+
+Assertions run inside the ranks; a failure on any rank fails the test with that rank's traceback.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, fn, world_size, port, args):
+    warnings.filterwarnings("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    # A short timeout: a rank that fails leaves the others waiting in a collective; the spawner
+    # then reports the failing rank's traceback and terminates the rest.
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=180))
+    fn(*args)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int, *args) -> None:
+    """fn(*args) on `world_size` spawned gloo ranks. fn must be a module-level function."""
+    mp.start_processes(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size,
+                       join=True, start_method="spawn")
+
+
+def init_single_rank_world() -> None:
+    """A gloo world of one in this process (idempotent), with megatron-core's parallel state."""
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(free_port())
+    dist.init_process_group("gloo", rank=0, world_size=1)
+
+
+def grid_groups(tp=1, pp=1, cp=1, hp=1, inner_ring=None, placement="head-first"):
+    """Every rank: build the grid of the current world and its groups."""
+    from megatron.core import parallel_state as mpu
+    from megatron.longseq.parallel_state import RankGrid, build_process_groups
+
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    grid = RankGrid(world_size=dist.get_world_size(), tp=tp, pp=pp, cp=cp, hp=hp,
+                    inner_ring=inner_ring, placement=placement)
+    return build_process_groups(grid)

@@ -1,0 +1,86 @@
+import itertools
+
+import pytest
+import torch.distributed as dist
+
+from megatron.longseq.parallel_state import GridError, RankGrid
+from tests.unit_tests.dist_utils import grid_groups, run_ranks
+
+
+def _partitions(groups, world):
+    flat = sorted(itertools.chain.from_iterable(groups))
+    return flat == list(range(world))
+
+
+@pytest.mark.parametrize("kw", [
+    dict(world_size=8, tp=2),
+    dict(world_size=16, tp=2, cp=4, hp=2),
+    dict(world_size=16, cp=8, hp=2, inner_ring=2, placement="context-first"),
+    dict(world_size=24, tp=2, cp=4, hp=4, pp=3),
+])
+def test_coordinates_round_trip_and_groups_partition_the_world(kw):
+    grid = RankGrid(**kw)
+    assert grid.tp * grid.cp * grid.dp * grid.pp == grid.world_size
+    seen = set()
+    for rank in range(grid.world_size):
+        c = grid.coords(rank)
+        assert grid.rank_of(**c) == rank
+        seen.add(tuple(c.values()))
+    assert len(seen) == grid.world_size
+    sizes = {"tp": grid.tp, "cp": grid.cp, "hp": grid.hp, "ring": grid.ring, "inner": grid.inner,
+             "outer": grid.outer, "dp": grid.dp, "dp_cp": grid.dp * grid.cp, "pp": grid.pp,
+             "mp": grid.tp * grid.pp, "tp_cp": grid.tp * grid.cp}
+    for name, groups in grid.all_groups().items():
+        assert _partitions(groups, grid.world_size), name
+        assert all(len(g) == sizes[name] for g in groups), name
+
+
+def test_megatron_order_tp_innermost_then_cp_dp_pp():
+    grid = RankGrid(world_size=16, tp=2, cp=2, pp=2)
+    assert grid.groups_along(("tp",))[0] == [0, 1]
+    assert grid.groups_along(("hp", "ring"))[0] == [0, 2]  # cp stride tp
+    assert grid.groups_along(("dp",))[0] == [0, 4]  # dp stride tp*cp
+    assert grid.groups_along(("pp",))[0] == [0, 8]  # pp outermost
+
+
+def test_placement_puts_the_chosen_group_on_adjacent_ranks():
+    head_first = RankGrid(world_size=8, cp=8, hp=2, placement="head-first")
+    assert head_first.groups_along(("hp",))[0] == [0, 1]
+    assert head_first.groups_along(("ring",))[0] == [0, 2, 4, 6]
+    ctx_first = RankGrid(world_size=8, cp=8, hp=2, placement="context-first")
+    assert ctx_first.groups_along(("ring",))[0] == [0, 1, 2, 3]
+    assert ctx_first.groups_along(("hp",))[0] == [0, 4]
+
+
+def test_double_ring_inner_and_outer_rings():
+    grid = RankGrid(world_size=8, cp=8, hp=1, inner_ring=2, placement="context-first")
+    assert grid.ring_groups("inner") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert grid.ring_groups("outer") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    plain = RankGrid(world_size=4, cp=4)  # W = ring size: one inner ring, outer rings of one
+    assert plain.ring_groups("inner") == [[0, 1, 2, 3]]
+    assert plain.outer == 1
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(world_size=6, tp=4), "world size 6 is not divisible by tensor (4) x context (1) x pipeline (1)"),
+    (dict(world_size=8, cp=4, hp=3), "context parallel size 4 is not divisible by the head-parallel size 3"),
+    (dict(world_size=8, cp=8, hp=2, inner_ring=3), "inner ring size 3 does not divide the ring size 4"),
+    (dict(world_size=4, placement="sideways"), "placement must be one of"),
+    (dict(world_size=4, tp=0), "tp must be >= 1"),
+])
+def test_bad_grids_name_the_numbers(kw, message):
+    with pytest.raises(GridError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        RankGrid(**kw)
+
+
+def _check_groups_match_megatron():
+    pgs = grid_groups(tp=2)  # raises if any group differs from megatron-core's
+    rank = dist.get_rank()
+    assert pgs.members["tp"] == [rank - rank % 2, rank - rank % 2 + 1]
+    assert pgs.members["dp"] == [rank % 2, rank % 2 + 2]
+    assert pgs.index("tp") == rank % 2 and pgs.index("dp") == rank // 2
+    assert dist.get_world_size(pgs.tp) == 2 and dist.get_world_size(pgs.dp_cp) == 2
+
+
+def test_process_groups_agree_with_megatron_core_on_4_ranks():
+    run_ranks(_check_groups_match_megatron, 4)
