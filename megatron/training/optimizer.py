@@ -48,9 +48,10 @@ class DistributedAdam:
             counted = getattr(p, "tensor_model_parallel", False) or tp_rank == 0
             self.fragments.append(Fragment(main, counted))
             groups[not no_weight_decay(names[p], p)].append(main)
+        # wd_mult is what megatron-core's LR scheduler multiplies the weight decay by.
         param_groups = [
-            {"params": groups[True], "wd_mult": 1.0},
-            {"params": groups[False], "wd_mult": 0.0},
+            {"params": groups[True], "wd_mult": 1.0, "weight_decay": args.weight_decay},
+            {"params": groups[False], "wd_mult": 0.0, "weight_decay": 0.0},
         ]
         self.optimizer = torch.optim.AdamW(
             [g for g in param_groups if g["params"]], lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),

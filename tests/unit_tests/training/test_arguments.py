@@ -1,0 +1,128 @@
+"""Command line: Megatron's defaults, derived values, and one-line errors for bad input."""
+import os
+
+import pytest
+
+from megatron.training.arguments import ArgsError, parse_args
+from megatron.training.validate import padded_vocab_size, validate_args
+
+BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --micro-batch-size 2 "
+        "--train-iters 10 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 100").split()
+
+
+def args_for(extra="", world=1, base=BASE):
+    return validate_args(parse_args(base + extra.split()), world)
+
+
+def error_of(extra="", world=1, base=BASE) -> str:
+    with pytest.raises(ArgsError) as info:
+        args_for(extra, world, base)
+    message = str(info.value)
+    assert "\n" not in message  # one line
+    return message
+
+
+def test_megatron_defaults():
+    args = args_for()
+    expected = dict(hidden_dropout=0.1, attention_dropout=0.1, init_method_std=0.02, weight_decay=0.01,
+                    clip_grad=1.0, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, lr_decay_style="linear",
+                    min_lr=0.0, make_vocab_size_divisible_by=128, log_interval=100, eval_interval=1000,
+                    eval_iters=100, seed=1234, num_workers=2, norm_epsilon=1e-5, rotary_base=10000,
+                    rotary_percent=1.0, position_embedding_type="learned_absolute", normalization="LayerNorm",
+                    tensor_model_parallel_size=1, pipeline_model_parallel_size=1, add_bias_linear=True,
+                    untie_embeddings_and_output_weights=False, timing_log_level=0, attention_backend="auto",
+                    split="969, 30, 1", lr_warmup_iters=0)
+    for key, value in expected.items():
+        assert getattr(args, key) == value, key
+
+
+def test_derived_values():
+    args = args_for()
+    assert (args.kv_channels, args.ffn_hidden_size, args.num_query_groups) == (16, 256, 4)
+    assert args.max_position_embeddings == 128 and args.lr_decay_iters == 10
+    assert args.distributed_backend == "gloo" and args.device_type == "cpu"
+    swiglu = args_for("--swiglu --hidden-size 96 --num-attention-heads 4")
+    assert swiglu.ffn_hidden_size == int((4 * 96 * 2 / 3) / 64) * 64  # Megatron's SwiGLU width
+    dp = args_for("--tensor-model-parallel-size 2 --global-batch-size 16", world=8)
+    assert (dp.data_parallel_size, dp.num_microbatches) == (4, 2)
+    assert args_for(world=4).global_batch_size == 8  # default: micro batch x dp
+
+
+def test_padded_vocab_matches_megatron():
+    assert padded_vocab_size(50257, 128, 1) == 50304
+    assert padded_vocab_size(50257, 128, 8) == 51200
+    assert padded_vocab_size(1001, 128, 2) == 1024
+
+
+@pytest.mark.parametrize("extra, world, message", [
+    ("--no-such-flag 3", 1, "unrecognized arguments: --no-such-flag 3"),
+    ("--fp16", 1, "--fp16: fp16 with loss scaling is not implemented; use --bf16"),
+    ("--num-experts 8", 1, "--num-experts: mixture-of-experts models are not implemented"),
+    ("--tensor-model-parallel-size 4 --num-attention-heads 6 --hidden-size 96", 4,
+     "--num-attention-heads 6 is not divisible by --tensor-model-parallel-size 4"),
+    ("--group-query-attention --num-query-groups 1 --tensor-model-parallel-size 2", 2,
+     "number of query groups 1 is not divisible by --tensor-model-parallel-size 2"),
+    ("--global-batch-size 6", 2, "--global-batch-size 6 is not divisible by --micro-batch-size 2 x data-parallel size 2 = 4"),
+    ("--max-position-embeddings 64", 1, "--seq-length 128 exceeds --max-position-embeddings 64"),
+    ("--tensor-model-parallel-size 2", 3, "world size 3 is not divisible by tensor (2)"),
+    ("--group-query-attention --num-query-groups 3", 1, "--num-attention-heads 4 is not divisible by --num-query-groups 3"),
+    ("--hidden-size 66", 1, "--hidden-size 66 is not divisible by --num-attention-heads 4"),
+    ("--lr-warmup-iters 2 --lr-warmup-fraction 0.1", 1, "mutually exclusive"),
+    ("--lr-warmup-iters 10", 1, "warm-up (10 iterations) must be shorter than --lr-decay-iters 10"),
+    ("--recompute-granularity full", 1, "--recompute-granularity full needs --recompute-method"),
+    ("--recompute-method uniform", 1, "--recompute-method needs --recompute-granularity full"),
+    ("--recompute-granularity full --recompute-method block --recompute-num-layers 3", 1,
+     "--recompute-num-layers must be in [1, --num-layers 2], got 3"),
+    ("--distributed-backend nccl", 1, "--distributed-backend nccl needs CUDA"),
+    ("--sequence-parallel --tensor-model-parallel-size 2", 2, "--sequence-parallel needs CUDA"),
+    ("--pipeline-model-parallel-size 2", 2, "pipeline parallelism is not implemented yet"),
+    ("--context-parallel-size 2", 2, "context parallelism is not implemented yet"),
+    ("--save-interval 5", 1, "--save-interval needs --save"),
+    ("--ckpt-format torch_dist", 1, "--ckpt-format torch_dist is not implemented"),
+    ("--position-embedding-type rope --rotary-percent 0.1", 1, "rotary dim = kv channels 16 x --rotary-percent 0.1 = 1"),
+    ("--hidden-dropout 1.0", 1, "--hidden-dropout must be in [0, 1)"),
+    ("--data-path /nonexistent/corpus", 1, "give exactly one of --mock-data and --data-path"),
+])
+def test_bad_input_is_one_line(extra, world, message):
+    assert message in error_of(extra, world)
+
+
+@pytest.mark.parametrize("missing", ["--num-layers", "--lr", "--train-iters", "--micro-batch-size", "--tokenizer-type"])
+def test_missing_required_flag(missing):
+    base, i = list(BASE), BASE.index(missing)
+    del base[i : i + 2]
+    assert error_of(base=base) == f"{missing} is required"
+
+
+def test_null_tokenizer_needs_vocab_size():
+    base = [a for a in BASE if a not in ("--vocab-size", "100")]
+    assert error_of(base=base) == "--tokenizer-type NullTokenizer needs --vocab-size"
+
+
+def test_unreadable_data_path(tmp_path):
+    base = [a for a in BASE if a != "--mock-data"]
+    (tmp_path / "corpus.bin").write_bytes(b"")
+    message = error_of(f"--data-path {tmp_path}/corpus", base=base)
+    assert message == f"--data-path: cannot read {tmp_path}/corpus.idx"
+    if os.geteuid() != 0:  # root reads anything
+        (tmp_path / "corpus.idx").write_bytes(b"")
+        os.chmod(tmp_path / "corpus.idx", 0)
+        assert "cannot read" in error_of(f"--data-path {tmp_path}/corpus", base=base)
+
+
+def test_tokenizer_files_must_be_local(tmp_path):
+    base = BASE[:-4]  # drop the tokenizer flags
+    message = error_of(f"--tokenizer-type GPT2BPETokenizer --vocab-file {tmp_path}/v.json", base=base)
+    assert message.startswith("GPT2BPETokenizer needs --vocab-file pointing at a local file")
+    message = error_of("--tokenizer-type HuggingFaceTokenizer --tokenizer-model gpt2", base=base)
+    assert "must be a local directory" in message
+
+
+def test_no_op_compatibility_flags_are_accepted():
+    args = args_for("--use-mcore-models --no-gradient-accumulation-fusion --no-masked-softmax-fusion "
+                    "--attention-softmax-in-fp32 --use-cpu-initialization --no-bias-dropout-fusion")
+    assert args.num_layers == 2
+
+
+def test_sequence_parallel_with_one_tp_rank_is_off_as_in_megatron():
+    assert args_for("--sequence-parallel").sequence_parallel is False

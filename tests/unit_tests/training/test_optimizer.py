@@ -1,0 +1,144 @@
+"""Gradient buffer + AdamW on 2 data-parallel ranks against one process training on the full batch."""
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.training.distributed import GradBuffer
+from megatron.training.optimizer import DistributedAdam, no_weight_decay
+from tests.unit_tests.dist_utils import grid_groups, run_ranks
+
+OPT_ARGS = SimpleNamespace(lr=1e-2, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, weight_decay=0.1,
+                           clip_grad=0.5, check_for_nan_in_loss_and_grad=True)
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 16)
+        self.norm = torch.nn.LayerNorm(16)
+        self.fc2 = torch.nn.Linear(16, 4)
+        self.unused = torch.nn.Parameter(torch.ones(3))  # never gets a gradient: zeros counted
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.norm(self.fc1(x))))
+
+
+def batches(step):
+    """4 micro-batches of the global batch of `step`; rank r gets micro-batches 2r, 2r+1."""
+    g = torch.Generator().manual_seed(100 + step)
+    return [(torch.randn(3, 8, generator=g), torch.randn(3, 4, generator=g)) for _ in range(4)]
+
+
+def reference_training(steps):
+    torch.manual_seed(0)
+    model = Tiny()
+    decay = [p for n, p in model.named_parameters() if not no_weight_decay(n, p)]
+    other = [p for n, p in model.named_parameters() if no_weight_decay(n, p)]
+    opt = torch.optim.AdamW([{"params": decay}, {"params": other, "weight_decay": 0.0}], lr=OPT_ARGS.lr,
+                            betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    norms = []
+    for step in range(steps):
+        opt.zero_grad()
+        loss = sum(torch.nn.functional.mse_loss(model(x), y) for x, y in batches(step)) / 4
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), OPT_ARGS.clip_grad).item())
+        opt.step()
+    return model, norms
+
+
+def ddp_training(model, buffer, opt, steps, start=0):
+    rank, dtype = dist.get_rank(), next(model.parameters()).dtype
+    norms, zeros = [], []
+    for step in range(start, start + steps):
+        opt.zero_grad()
+        mine = batches(step)[2 * rank : 2 * rank + 2]
+        for i, (x, y) in enumerate(mine):
+            ctx = buffer.no_sync() if i == 0 else torch.enable_grad()
+            with ctx:
+                (torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y) / 2).backward()
+        buffer.finish_grad_sync()
+        _, norm, num_zeros = opt.step(count_zeros=True)
+        norms.append(norm)
+        zeros.append(num_zeros)
+    return norms, zeros
+
+
+def _build(shard, overlap, bucket, dtype=torch.float32):
+    pgs = grid_groups()
+    torch.manual_seed(0)
+    model = Tiny().to(dtype)
+    buffer = GradBuffer(list(model.parameters()), pgs.dp, shard=shard, overlap=overlap, bucket_elements=bucket)
+    return pgs, model, buffer, DistributedAdam(model.named_parameters(), buffer, pgs, OPT_ARGS)
+
+
+def _check_against_reference(shard, overlap, bucket):
+    pgs, model, buffer, opt = _build(shard, overlap, bucket)
+    assert buffer.shards == (2 if shard else 1)
+    assert len(buffer.buckets) == (1 if bucket > 1000 else len(buffer.buckets)) and len(buffer.buckets) >= 1
+    norms, zeros = ddp_training(model, buffer, opt, steps=4)
+    ref, ref_norms = reference_training(steps=4)
+    # fp32: the two paths sum the same terms in a different order (per-rank halves, then the
+    # all-reduce); Adam divides by sqrt(v) so relative gradient rounding (~1e-7) moves parameters by
+    # ~lr * 1e-7 per step. 1e-6 absolute on O(0.1-1) parameters is far above that and far below a bug.
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=0, msg=name)
+    for got, want in zip(norms, ref_norms):
+        assert abs(got - want) <= 1e-6 * want
+    assert all(z >= 3 for z in zeros)  # the unused parameter's 3 zero gradients
+
+
+@pytest.mark.parametrize("shard, overlap, bucket", [
+    (False, False, 10**8), (True, False, 10**8), (False, True, 50), (True, True, 50),
+], ids=["allreduce", "distopt", "overlap-buckets", "distopt-overlap-buckets"])
+def test_two_ranks_match_full_batch_adamw(shard, overlap, bucket):
+    run_ranks(_check_against_reference, 2, shard, overlap, bucket)
+
+
+def _check_checkpoint_round_trip(shard, dtype):
+    pgs, model, buffer, opt = _build(shard, True, 50, dtype)
+    ddp_training(model, buffer, opt, steps=2)
+    saved_opt, saved_model = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
+    ddp_training(model, buffer, opt, steps=2, start=2)
+    # A fresh process-like start: new model/buffer/optimizer, then load.
+    _, model2, buffer2, opt2 = _build(shard, True, 50, dtype)
+    model2.load_state_dict(saved_model)
+    opt2.reload_model_params()
+    opt2.load_state_dict(saved_opt)
+    ddp_training(model2, buffer2, opt2, steps=2, start=2)
+    for (name, p), q in zip(model.named_parameters(), model2.parameters()):
+        assert torch.equal(p, q), name  # bitwise: resume is exact
+    if dtype == torch.bfloat16:
+        assert torch.equal(opt.main_data, opt2.main_data)  # fp32 main params restored, not re-rounded
+
+
+@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_optimizer_state_round_trip_is_exact(shard, dtype):
+    run_ranks(_check_checkpoint_round_trip, 2, shard, dtype)
+
+
+def _check_sharded_layout_mismatch():
+    _, _, _, sharded = _build(True, False, 10**8)
+    _, _, _, replicated = _build(False, False, 10**8)
+    with pytest.raises(ValueError, match="does not match this run's 1"):
+        replicated.load_state_dict(sharded.state_dict())
+
+
+def test_sharded_state_refuses_a_different_layout():
+    run_ranks(_check_sharded_layout_mismatch, 2)
+
+
+def _check_nan_grad_raises():
+    _, model, buffer, opt = _build(False, False, 10**8)
+    opt.zero_grad()
+    model(torch.full((2, 8), float("nan"))).sum().backward()
+    buffer.finish_grad_sync()
+    with pytest.raises(FloatingPointError, match="NaN or Inf"):
+        opt.step()
+
+
+def test_nan_gradients_stop_training():
+    run_ranks(_check_nan_grad_raises, 2)
