@@ -2,8 +2,8 @@
 
 megatron-core's `forward_backward_no_pipelining` counts tokens on CUDA; this one runs on any device
 and keeps its contract: forward_step_func(data_iterator, model) -> (output, loss_func);
-loss_func(output) -> (loss_sum, num_tokens, report) or (loss, report); every micro-batch loss is
-divided by the number of micro-batches (and by its token count unless calculate_per_token_loss);
+loss_func(output) -> (loss_sum, num_tokens, report) or (loss, report); a micro-batch loss is
+divided by its token count and the number of micro-batches, unless calculate_per_token_loss;
 gradient sync is disabled by config.no_sync_func for all but the last micro-batch and finished by
 config.finalize_model_grads_func(model, total_num_tokens).
 """
@@ -18,14 +18,17 @@ from megatron.core.utils import get_model_config
 
 
 def _scaled_loss(outputs, config, num_microbatches):
-    """(loss to backprop, num_tokens, report) from what loss_func returned."""
+    """(loss to backprop, num_tokens, report) from what loss_func returned. Per-token losses stay
+    sums (finalize divides the gradients by the global token count); otherwise every micro-batch
+    contributes its token mean / num_microbatches."""
     if len(outputs) == 3:
         loss, num_tokens, report = outputs
         if not config.calculate_per_token_loss:
-            loss = loss / num_tokens
+            loss = loss / num_tokens / num_microbatches
     else:
         (loss, report), num_tokens = outputs, torch.zeros((), dtype=torch.int64)
-    return loss / num_microbatches, num_tokens, report
+        loss = loss / num_microbatches
+    return loss, num_tokens, report
 
 
 def forward_step(forward_step_func, data_iterator, model, num_microbatches, config, store):

@@ -1,0 +1,41 @@
+"""A tiny GPT built through the real argument path, for model-level tests."""
+from __future__ import annotations
+
+import torch
+
+from megatron.longseq.attention.core import AttentionInputs
+from megatron.training.arguments import parse_args
+from megatron.training.model import build_gpt_model
+from megatron.training.validate import padded_vocab_size, validate_args
+
+TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+        "--train-iters 10 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 200 "
+        "--hidden-dropout 0 --attention-dropout 0")
+
+
+def tiny_args(extra: str = "", world_size: int = 1):
+    args = validate_args(parse_args((TINY + " " + extra).split()), world_size)
+    args.padded_vocab_size = padded_vocab_size(args.vocab_size + 1, args.make_vocab_size_divisible_by,
+                                               args.tensor_model_parallel_size)
+    return args
+
+
+def tiny_gpt(args, pgs, seed: int = 1234):
+    from megatron.longseq.random import seed_everything
+
+    seed_everything(seed, pgs.index("tp"), torch.device("cpu"))
+    return build_gpt_model(args, pgs, torch.device("cpu"))
+
+
+def tiny_batch(args, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length + 1), generator=g)
+    positions = torch.arange(args.seq_length).expand(args.micro_batch_size, -1)
+    return tokens[:, :-1], tokens[:, 1:], positions
+
+
+def lm_loss(model, args, seed: int = 0):
+    """Mean per-token loss of one tiny batch."""
+    tokens, labels, positions = tiny_batch(args, seed)
+    losses = model(tokens, positions, None, labels=labels, packed_seq_params=AttentionInputs(position_ids=positions))
+    return losses.float().mean()

@@ -1,0 +1,81 @@
+"""The no-pipelining schedule: gradients equal the full-batch gradient in both loss conventions."""
+from functools import partial
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron.longseq.pipeline.schedules import forward_backward_no_pipelining
+
+
+class Model(torch.nn.Module):
+    def __init__(self, per_token):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(4, 1)
+        self.syncs, self.finalized = [], []
+        self.config = SimpleNamespace(calculate_per_token_loss=per_token, no_sync_func=self._no_sync,
+                                      finalize_model_grads_func=self._finalize)
+
+    def _no_sync(self):
+        self.syncs.append("off")
+        return torch.enable_grad()
+
+    def _finalize(self, models, num_tokens):
+        self.finalized.append(num_tokens)
+        if num_tokens is not None:
+            for p in self.parameters():
+                p.grad /= num_tokens
+
+    def forward(self, x):
+        return self.proj(x).squeeze(-1) ** 2  # per-token losses [b, s]
+
+
+def data(num_mb=3):
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(2, 5, 4, generator=g) for _ in range(num_mb)]
+    masks = [(torch.rand(2, 5, generator=g) > 0.3).float() for _ in range(num_mb)]
+    masks[0][0] = 0  # micro-batches with different token counts
+    return xs, masks
+
+
+def loss_func(mask, out):
+    total = (out * mask).sum()
+    return total, mask.sum().to(torch.int64), {"lm loss": torch.stack([total.detach(), mask.sum()])}
+
+
+def run(per_token, forward_only=False):
+    xs, masks = data()
+    it = iter(zip(xs, masks))
+    model = Model(per_token)
+
+    def step(data_iterator, m):
+        x, mask = next(data_iterator)
+        return m(x), partial(loss_func, mask)
+
+    reports = forward_backward_no_pipelining(forward_step_func=step, data_iterator=it, model=[model],
+                                             num_microbatches=3, forward_only=forward_only)
+    return model, reports, xs, masks
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_gradients_equal_the_full_batch_loss(per_token):
+    model, reports, xs, masks = run(per_token)
+    ref = Model(per_token)
+    if per_token:  # one mean over every token of the batch
+        loss = sum((ref(x) * m).sum() for x, m in zip(xs, masks)) / sum(m.sum() for m in masks)
+    else:  # Megatron's default: the mean over micro-batches of each micro-batch's token mean
+        loss = sum((ref(x) * m).sum() / m.sum() for x, m in zip(xs, masks)) / 3
+    loss.backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-6)
+    assert model.syncs == ["off", "off"]  # sync disabled for all but the last micro-batch
+    assert len(reports) == 3
+    total_tokens = int(sum(m.sum() for m in masks))
+    assert model.finalized == [total_tokens if per_token else None]
+
+
+def test_forward_only_makes_no_gradients():
+    model, reports, _, _ = run(False, forward_only=True)
+    assert all(p.grad is None for p in model.parameters())
+    assert model.finalized == [] and len(reports) == 3

@@ -1,0 +1,76 @@
+"""GPTModel with our spec: tensor parallel against one rank, recompute against no recompute."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.unit_tests.dist_utils import grid_groups, init_single_rank_world, run_ranks
+from tests.unit_tests.model_utils import lm_loss, tiny_args, tiny_gpt
+
+CASES = {
+    "mha-learned": "",
+    "gqa-rope-swiglu-rms": ("--group-query-attention --num-query-groups 2 --position-embedding-type rope "
+                            "--swiglu --normalization RMSNorm --untie-embeddings-and-output-weights "
+                            "--disable-bias-linear"),
+}
+
+
+def gated_fc1_rows(rank: int, tp: int, ffn: int) -> torch.Tensor:
+    """Rows of the full [gate; up] fc1 weight that tp rank `rank` holds: megatron-core builds fc1
+    with stride 2, so rank r has gate rows r*ffn/tp.. and the matching up rows ffn + r*ffn/tp.."""
+    gate = torch.arange(rank * ffn // tp, (rank + 1) * ffn // tp)
+    return torch.cat([gate, gate + ffn])
+
+
+def loss_and_grads(model, args):
+    loss = lm_loss(model, args)
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _tp_rank_check(extra, ref_path):
+    args = tiny_args(extra + " --tensor-model-parallel-size 2", world_size=2)
+    pgs = grid_groups(tp=2)
+    ref = torch.load(ref_path)
+    loss, grads = loss_and_grads(tiny_gpt(args, pgs), args)
+    # fp32: tp splits the GEMM reductions of the row-parallel layers in two and adds the halves;
+    # the loss agrees to a few ulps of 7.0 (~5e-7) and gradients (O(1e-3..1)) to ~1e-6 relative.
+    assert abs(loss - ref["loss"]) < 5e-6
+    model = tiny_gpt(args, pgs)  # parameter metadata (partition dims)
+    for name, param in model.named_parameters():
+        grad = grads[name]
+        if getattr(param, "tensor_model_parallel", False):
+            shards = [torch.empty_like(grad) for _ in range(2)]
+            dist.all_gather(shards, grad.contiguous(), group=pgs.tp)
+            grad = torch.cat(shards, dim=param.partition_dim)
+            if args.swiglu and "linear_fc1" in name:  # rank r holds [gate_r; up_r]
+                order = torch.cat([gated_fc1_rows(r, 2, grad.shape[0] // 2) for r in range(2)])
+                grad = torch.empty_like(grad).index_copy_(0, order, grad)
+        torch.testing.assert_close(grad, ref["grads"][name], atol=1e-6, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_tensor_parallel_2_equals_one_rank(case, tmp_path):
+    init_single_rank_world()
+    args = tiny_args(CASES[case])
+    loss, grads = loss_and_grads(tiny_gpt(args, grid_groups()), args)
+    torch.save({"loss": loss, "grads": grads}, tmp_path / "ref.pt")
+    run_ranks(_tp_rank_check, 2, CASES[case], str(tmp_path / "ref.pt"))
+
+
+@pytest.mark.parametrize("recompute", [
+    "--recompute-granularity full --recompute-method uniform --recompute-num-layers 2",
+    "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
+    "--recompute-granularity full --recompute-method block --recompute-num-layers 1",
+    "--recompute-granularity selective",
+])
+def test_recompute_gives_identical_gradients_with_dropout(recompute):
+    init_single_rank_world()
+    dropout = "--hidden-dropout 0.2 --attention-dropout 0.2 --num-layers 3"
+    base = tiny_args(dropout)
+    ref_loss, ref_grads = loss_and_grads(tiny_gpt(base, grid_groups()).train(), base)
+    args = tiny_args(f"{dropout} {recompute}")
+    loss, grads = loss_and_grads(tiny_gpt(args, grid_groups()).train(), args)
+    assert loss == ref_loss
+    for name, grad in grads.items():
+        # The same kernels run on the same inputs and dropout masks: bitwise equal.
+        assert torch.equal(grad, ref_grads[name]), name

@@ -1,0 +1,93 @@
+"""Atomic saves (a crash never damages the last good checkpoint) and complete loads."""
+import os
+
+import pytest
+import torch
+
+from megatron.training import checkpointing
+from megatron.training.checkpointing import TRACKER, load_checkpoint, read_tracker, save_checkpoint
+from megatron.training.training import setup
+from tests.unit_tests.dist_utils import grid_groups, init_single_rank_world
+from tests.unit_tests.model_utils import lm_loss, tiny_args, tiny_gpt
+
+
+def make_state(tmp_path, extra=""):
+    init_single_rank_world()
+    args = tiny_args(f"--save {tmp_path} --load {tmp_path} --bf16 {extra}")
+    pgs = grid_groups()
+    state = setup(args, pgs, lambda a, p, d: tiny_gpt(a, p))
+    return args, pgs, state
+
+
+def train_one_step(state, args):
+    state.optimizer.zero_grad()
+    lm_loss(state.model, args).backward()
+    state.optimizer.buffer.finish_grad_sync()
+    state.optimizer.step()
+    state.scheduler.step(args.global_batch_size)
+    state.iteration += 1
+    state.consumed_train_samples += args.global_batch_size
+
+
+def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    args, pgs, state = make_state(tmp_path)
+    train_one_step(state, args)
+    save_checkpoint(args, state, pgs)
+    good = {k: v.clone() for k, v in state.model.state_dict().items() if torch.is_tensor(v)}
+    train_one_step(state, args)
+
+    real_save = checkpointing._atomic_torch_save
+
+    def crash(obj, path):
+        with open(path + ".part", "wb") as f:
+            f.write(b"half a checkpoint")  # the process dies in the middle of a write
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(checkpointing, "_atomic_torch_save", crash)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(args, state, pgs)
+    assert read_tracker(str(tmp_path)) == 1
+    assert not os.path.exists(tmp_path / "iter_0000002")  # only iter_0000002.tmp was touched
+
+    # A fresh run resumes from iteration 1 with the weights saved then.
+    _, _, fresh = make_state(tmp_path)
+    assert load_checkpoint(args, fresh, pgs)
+    assert fresh.iteration == 1 and fresh.consumed_train_samples == args.global_batch_size
+    for key, value in fresh.model.state_dict().items():
+        if torch.is_tensor(value):
+            assert torch.equal(value, good[key]), key
+
+    monkeypatch.setattr(checkpointing, "_atomic_torch_save", real_save)
+    save_checkpoint(args, state, pgs)  # the next save clears the leftovers and lands
+    assert read_tracker(str(tmp_path)) == 2
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000001", "iter_0000002", TRACKER]
+
+
+def test_load_restores_model_optimizer_schedule_and_position(tmp_path):
+    args, pgs, state = make_state(tmp_path)
+    for _ in range(2):
+        train_one_step(state, args)
+    save_checkpoint(args, state, pgs)
+    train_one_step(state, args)
+    after_a = lm_loss(state.model, args, seed=5).item()
+
+    _, _, resumed = make_state(tmp_path)
+    load_checkpoint(args, resumed, pgs)
+    assert resumed.scheduler.num_steps == state.scheduler.num_steps - args.global_batch_size
+    train_one_step(resumed, args)
+    assert lm_loss(resumed.model, args, seed=5).item() == after_a  # the same third step
+
+
+def test_load_rejects_a_different_model(tmp_path):
+    args, pgs, state = make_state(tmp_path)
+    save_checkpoint(args, state, pgs)
+    other_args, _, other = make_state(tmp_path, "--ffn-hidden-size 128")
+    with pytest.raises(ValueError, match="checkpoint has ffn_hidden_size=256 but this run has 128"):
+        load_checkpoint(other_args, other, pgs)
+
+
+def test_tracker_with_garbage_is_an_error(tmp_path):
+    (tmp_path / TRACKER).write_text("release\n")
+    with pytest.raises(ValueError, match="expected an iteration number"):
+        read_tracker(str(tmp_path))
+    assert read_tracker(str(tmp_path / "missing")) is None

@@ -1,0 +1,102 @@
+"""Sample order, tokenizers, JSONL -> indexed dataset -> GPTDataset."""
+import json
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.training.data import PretrainingSampler, build_datasets
+from megatron.training.tokenizer import build_tokenizer
+from tools import preprocess_data
+
+
+def test_dp_ranks_split_each_step_and_resume_continues_the_stream():
+    mbs, dp, total = 2, 3, 40
+    samplers = [PretrainingSampler(total, 0, mbs, r, dp) for r in range(dp)]
+    steps = list(zip(*samplers))
+    for i, step in enumerate(steps):  # step i covers samples [6i, 6i+6), rank r takes slice r
+        assert [idx for batch in step for idx in batch] == list(range(6 * i, 6 * i + 6))
+    resumed = list(PretrainingSampler(total, 12, mbs, 1, dp))
+    assert resumed == [s[1] for s in steps[2:]]
+    assert len(PretrainingSampler(total, 12, mbs, 0, dp)) == len(resumed)
+    with pytest.raises(ValueError, match="exceed"):
+        PretrainingSampler(10, 12, mbs, 0, dp)
+
+
+WORDS = "the quick brown fox jumps over a lazy dog while long sequences need ring attention".split()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A JSONL corpus, a byte-level BPE (vocab.json + merges.txt) and the same as an HF directory."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    root = tmp_path_factory.mktemp("corpus")
+    rng = random.Random(0)
+    docs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 60))) for _ in range(200)]
+    with open(root / "corpus.jsonl", "w") as f:
+        for d in docs:
+            f.write(json.dumps({"text": d, "title": d[:20]}) + "\n")
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(docs, vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False)
+    bpe.save_model(str(root))
+    (root / "hf").mkdir()
+    bpe.save(str(root / "hf" / "tokenizer.json"))
+    (root / "hf" / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}))
+    return root, docs
+
+
+def tok_args(root, kind):
+    return SimpleNamespace(tokenizer_type=kind, vocab_file=str(root / "vocab.json"), merge_file=str(root / "merges.txt"),
+                           tokenizer_model=str(root / "hf"), vocab_size=50)
+
+
+def test_tokenizers_round_trip_and_agree(corpus):
+    root, docs = corpus
+    gpt2 = build_tokenizer(tok_args(root, "GPT2BPETokenizer"))
+    hf = build_tokenizer(tok_args(root, "HuggingFaceTokenizer"))
+    assert gpt2.vocab_size == hf.vocab_size == 300
+    assert gpt2.eod == hf.eod == 0  # the first special token
+    for doc in docs[:20]:
+        ids = gpt2.tokenize(doc)
+        assert ids == hf.tokenize(doc)
+        assert gpt2.detokenize(ids) == doc
+    null = build_tokenizer(tok_args(root, "NullTokenizer"))
+    assert (null.vocab_size, null.eod) == (51, 50)  # Megatron: EOD is the id after the vocabulary
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_preprocess_writes_what_gpt_dataset_reads(corpus, tmp_path, workers):
+    root, docs = corpus
+    prefix = tmp_path / "out" / "c"
+    preprocess_data.main(["--input", str(root / "corpus.jsonl"), "--output-prefix", str(prefix),
+                          "--json-keys", "text", "title", "--tokenizer-type", "GPT2BPETokenizer",
+                          "--vocab-file", str(root / "vocab.json"), "--merge-file", str(root / "merges.txt"),
+                          "--append-eod", "--workers", str(workers)])
+    tok = build_tokenizer(tok_args(root, "GPT2BPETokenizer"))
+    for key, source in (("text", docs), ("title", [d[:20] for d in docs])):
+        ds = IndexedDataset(f"{prefix}_{key}_document")
+        assert len(ds) == len(source)
+        for i in (0, 7, len(source) - 1):
+            ids = ds[i].tolist()
+            assert ids[-1] == tok.eod and tok.detokenize(ids[:-1]) == source[i]
+    args = SimpleNamespace(seed=1, seq_length=16, data_path=[f"{prefix}_text_document"], split="90,5,5",
+                           data_cache_path=str(tmp_path / "cache"), reset_position_ids=True,
+                           reset_attention_mask=True, eod_mask_loss=True, mock_data=False)
+    train, valid, test = build_datasets(args, tok, [10, 4, 4])
+    sample = train[0]
+    assert sample["tokens"].shape == (16,) and sample["attention_mask"].shape == (1, 16, 16)
+    tokens, mask = sample["tokens"].numpy(), sample["loss_mask"].numpy()
+    assert (tokens == tok.eod).any() and np.all(mask[tokens == tok.eod] == 0)  # --eod-mask-loss: no prediction from EOD
+
+
+def test_null_tokenizer_corpus_of_ids(tmp_path):
+    (tmp_path / "ids.jsonl").write_text("\n".join(json.dumps({"text": " ".join(map(str, range(i, i + 5)))})
+                                                  for i in range(3)))
+    preprocess_data.main(["--input", str(tmp_path / "ids.jsonl"), "--output-prefix", str(tmp_path / "ids"),
+                          "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--append-eod"])
+    ds = IndexedDataset(str(tmp_path / "ids_text_document"))
+    assert ds[1].tolist() == [1, 2, 3, 4, 5, 100]
