@@ -1,0 +1,67 @@
+"""The functional-test table: flag combinations, how many ranks, and which golden curve they must
+reproduce. A case whose `golden` is its own name defines that curve (single rank); every other case
+must land on a curve defined by a single-rank case.
+
+Golden files (tests/functional_tests/golden/<name>.json) use Megatron's format:
+  {"lm loss": {"start_step": 1, "end_step": N, "step_interval": 1, "values": {"1": ..., ...}}}
+Regenerate them with `python -m tests.functional_tests.run --generate`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List
+
+TRAIN_ITERS = 30
+
+# A tiny GPT: enough layers and steps for the loss to move by ~10% (so a wrong gradient shows),
+# small enough for four gloo ranks on two cores.
+COMMON = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 "
+    "--max-position-embeddings 128 --micro-batch-size 2 --global-batch-size 8 "
+    f"--train-iters {TRAIN_ITERS} --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine --lr-warmup-iters 3 "
+    "--weight-decay 0.1 --clip-grad 1.0 --hidden-dropout 0 --attention-dropout 0 "
+    "--mock-data --tokenizer-type NullTokenizer --vocab-size 1000 --seed 1234 "
+    "--log-interval 1 --eval-iters 0 --num-workers 0"
+).split()
+
+LLAMA = ("--group-query-attention --num-query-groups 2 --position-embedding-type rope --swiglu "
+         "--normalization RMSNorm --untie-embeddings-and-output-weights --disable-bias-linear").split()
+
+DOCUMENTS = "--reset-position-ids --reset-attention-mask --eod-mask-loss".split()
+
+
+@dataclass
+class Case:
+    name: str
+    nproc: int
+    flags: List[str] = field(default_factory=list)
+    golden: str = ""  # defaults to the case's own name
+    data: bool = False  # train on the indexed corpus made by the test fixture instead of mock data
+
+    @property
+    def golden_name(self) -> str:
+        return self.golden or self.name
+
+
+CASES = [
+    Case("gpt_base", 1),
+    Case("gpt_base_tp2", 2, ["--tensor-model-parallel-size", "2"], "gpt_base"),
+    Case("gpt_base_dp2", 2, [], "gpt_base"),
+    Case("gpt_base_tp2_dp2", 4, ["--tensor-model-parallel-size", "2"], "gpt_base"),
+    Case("gpt_base_dp2_distopt_overlap", 2,
+         "--use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 20000".split(), "gpt_base"),
+    Case("gpt_base_dp2_per_token_loss", 2, ["--calculate-per-token-loss"], "gpt_base"),
+    Case("gpt_base_recompute_full_uniform", 1,
+         "--recompute-granularity full --recompute-method uniform --recompute-num-layers 2".split(), "gpt_base"),
+    Case("gpt_llama", 1, LLAMA),
+    Case("gpt_llama_tp2_dp2_distopt", 4,
+         LLAMA + "--tensor-model-parallel-size 2 --use-distributed-optimizer".split(), "gpt_llama"),
+    Case("gpt_llama_bf16", 1, LLAMA + ["--bf16"]),
+    Case("gpt_dropout", 1, "--hidden-dropout 0.1 --attention-dropout 0.1".split()),
+    Case("gpt_dropout_recompute", 1, "--hidden-dropout 0.1 --attention-dropout 0.1 --recompute-granularity "
+         "full --recompute-method block --recompute-num-layers 1".split(), "gpt_dropout"),
+    Case("gpt_documents", 1, DOCUMENTS + ["--position-embedding-type", "rope"], data=True),
+    Case("gpt_documents_dp2", 2, DOCUMENTS + ["--position-embedding-type", "rope"], "gpt_documents", data=True),
+]
+
+BY_NAME = {c.name: c for c in CASES}

@@ -1,0 +1,126 @@
+"""End-to-end runs of pretrain_gpt.py under torchrun: the case table, exact resume, bad input."""
+import subprocess
+import sys
+
+import pytest
+
+from tests.functional_tests.cases import BY_NAME, CASES, TRAIN_ITERS
+from tests.functional_tests.run import ROOT, load_golden, run_case
+from tests.unit_tests.dist_utils import free_port
+
+# Same machine, same session: a parallel layout differs from one rank only by the order of fp32
+# reductions (tp all-reduce of partial GEMMs, dp gradient averaging, sharded Adam). Measured over
+# 30 steps: <= 1.9e-7 relative, i.e. one unit in the 7th digit the log prints. 1e-6 leaves 5x
+# margin; a real error (a missed 1/dp, a wrong shard, a wrong mask) moves the loss by > 1e-3.
+LAYOUT_RTOL = 1e-6
+# Golden files were written on another machine: fp32 GEMM blocking differs between CPU ISAs
+# (~1e-7 relative per op) and Adam amplifies small relative gradient changes over 30 steps, so
+# allow 1e-4, still ~3000x smaller than the 25-30% the loss falls in these runs. bf16 rounds at
+# 2^-8 per op (its curve sits 1.2e-4 away from fp32's here): 2e-3.
+GOLDEN_RTOL = {"fp32": 1e-4, "bf16": 2e-3}
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory):
+    """Each case runs once per session; tests share the curves."""
+    workdir = tmp_path_factory.mktemp("functional")
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = run_case(BY_NAME[name], workdir)
+        return cache[name]
+
+    get.workdir = workdir
+    return get
+
+
+def assert_curves_close(got, want, rtol, what):
+    assert sorted(got) == list(range(1, TRAIN_ITERS + 1)), f"{what}: iterations {sorted(got)}"
+    worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in want)
+    assert worst <= rtol, f"{what}: max relative deviation {worst:.2e} > {rtol:.0e}"
+
+
+@pytest.mark.parametrize("case", [c.name for c in CASES])
+def test_case_matches_golden(case, runs):
+    precision = "bf16" if "--bf16" in BY_NAME[case].flags else "fp32"
+    curve = runs(case)
+    assert curve[TRAIN_ITERS] < 0.9 * curve[1], "the loss should fall over the run"
+    assert_curves_close(curve, load_golden(BY_NAME[case].golden_name), GOLDEN_RTOL[precision], case)
+
+
+@pytest.mark.parametrize("case", [c.name for c in CASES if c.golden_name != c.name])
+def test_layout_reproduces_its_single_rank_run(case, runs):
+    assert_curves_close(runs(case), runs(BY_NAME[case].golden_name), LAYOUT_RTOL, case)
+
+
+def test_resume_reproduces_the_uninterrupted_run_exactly(runs, tmp_path):
+    """Stop at iteration 15 (checkpoint), resume to 30: iterations 16-30 print the same losses as
+    the run that never stopped (2 ranks, distributed optimizer, overlapped reduction)."""
+    case = BY_NAME["gpt_base_dp2_distopt_overlap"]
+    ckpt, tb = str(tmp_path / "ckpt"), str(tmp_path / "tb")
+    first = run_case(case, runs.workdir, ["--save", ckpt, "--save-interval", "5", "--exit-interval", "15"])
+    assert sorted(first) == list(range(1, 16))
+    resumed = run_case(case, runs.workdir, ["--save", ckpt, "--load", ckpt, "--tensorboard-dir", tb])
+    assert sorted(resumed) == list(range(16, TRAIN_ITERS + 1))
+    full = runs(case.name)
+    assert {s: full[s] for s in resumed} == resumed  # identical printed values
+    # The tensorboard scalars carry Megatron's names and the same losses.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(tb)
+    events.Reload()
+    scalars = {e.step: e.value for e in events.Scalars("lm loss")}
+    assert sorted(scalars) == sorted(resumed)
+    assert all(abs(scalars[s] - resumed[s]) <= 1e-6 * resumed[s] for s in resumed)
+    assert {"learning-rate", "grad-norm", "iteration-time", "loss-scale"} <= set(events.Tags()["scalars"])
+
+
+BAD = [
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--num-layers", None], "--num-layers is required"),
+    (["--tensor-model-parallel-size", "3"], "world size 1 is not divisible by tensor (3)"),
+    (["--global-batch-size", "7"], "--global-batch-size 7 is not divisible by --micro-batch-size 2"),
+    (["--seq-length", "256"], "--seq-length 256 exceeds --max-position-embeddings 128"),
+    (["--data-path", "/no/such/corpus"], "--data-path: cannot read /no/such/corpus.bin"),
+]
+
+
+def bad_command(change):
+    from tests.functional_tests.cases import COMMON
+
+    flags = list(COMMON)
+    flag, value = change[0], change[1] if len(change) > 1 else "__flag__"
+    if flag in flags and value is None:  # remove a required flag
+        i = flags.index(flag)
+        del flags[i : i + 2]
+    elif flag == "--data-path":
+        flags.remove("--mock-data")
+        flags += change
+    elif flag in flags:
+        flags[flags.index(flag) + 1] = value
+    else:
+        flags += [flag] if value == "__flag__" else change
+    return flags
+
+
+@pytest.mark.parametrize("change, message", BAD, ids=[m.split(":")[0][:40] for _, m in BAD])
+def test_bad_input_fails_in_one_line_before_any_work(change, message):
+    proc = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py")] + bad_command(change),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("pretrain_gpt.py: error: ") and message in lines[0], proc.stderr
+    assert "> world" not in proc.stdout  # no process group was built
+
+
+def test_bad_input_under_torchrun_is_reported_once():
+    flags = bad_command(["--tensor-model-parallel-size", "2"])
+    flags[flags.index("--num-attention-heads") + 1] = "3"
+    flags[flags.index("--hidden-size") + 1] = "63"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(free_port()), str(ROOT / "pretrain_gpt.py")] + flags,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode != 0
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("pretrain_gpt.py: error:")]
+    assert ours == ["pretrain_gpt.py: error: --num-attention-heads 3 is not divisible by --tensor-model-parallel-size 2"]
