@@ -54,9 +54,8 @@ def initialize_distributed(args) -> ProcessGroups:
     grid = RankGrid(world_size=env.world_size, tp=args.tensor_model_parallel_size,
                     pp=args.pipeline_model_parallel_size, cp=args.context_parallel_size)
     pgs = build_process_groups(grid)
-    device = torch.device("cuda", torch.cuda.current_device()) if args.device_type == "cuda" else torch.device("cpu")
     # Megatron: the same seed on every tp rank of a stage, a different one per pipeline stage.
-    seed_everything(args.seed + 100 * pgs.index("pp"), pgs.index("tp"), device)
+    seed_everything(args.seed + 100 * pgs.index("pp"), pgs.index("tp"), device_of(args))
     return pgs
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -50,8 +51,6 @@ def run_main(main) -> None:
     try:
         main()
     except ArgsError as err:
-        import os
-
         if os.environ.get("RANK", "0") == "0" and os.environ.get("SLURM_PROCID", "0") == "0":
             print(f"pretrain_gpt.py: error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
