@@ -14,3 +14,5 @@ class LongSeqConfig(TransformerConfig):
     rotary_percent: float = 1.0
     # --recompute-granularity selective: recompute core attention in backward.
     recompute_core_attention: bool = False
+    # Selective Checkpoint++ (LoongTrain 5.2): under full recompute keep attention (out, lse).
+    selective_checkpoint_pp: bool = False

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import random
-from typing import Dict
+from typing import Dict, Optional
 
 import numpy as np
 import torch
@@ -106,29 +106,61 @@ def load_rng_state_dict(state: dict) -> None:
     _TRACKER.set_states(state["tracker"])
 
 
-def _replaying_tracker_contexts():
-    """torch.utils.checkpoint replays the default streams itself; our named streams are replayed
-    here: the recompute runs from the states the forward started with, then the states the
-    forward ended with are put back."""
+class CheckpointRegion:
+    """One recompute region: its phase ("forward", then "recompute" in backward) and what it keeps
+    between the two -- the attention outputs that Selective Checkpoint++ does not recompute
+    (LoongTrain section 5.2), taken back in the order they were kept."""
+
+    def __init__(self):
+        self.phase = None
+        self.kept = []
+
+
+_REGION: Optional[CheckpointRegion] = None
+
+
+def current_region() -> Optional[CheckpointRegion]:
+    """The innermost recompute region running now, or None."""
+    return _REGION
+
+
+@contextlib.contextmanager
+def _in_region(region: CheckpointRegion, phase: str):
+    global _REGION
+    previous, _REGION, region.phase = _REGION, region, phase
+    try:
+        yield
+    finally:
+        _REGION = previous
+
+
+@contextlib.contextmanager
+def _replaying(tracker_states):
+    """The recompute runs from the named-stream states the forward started with; the states the
+    forward ended with are put back afterwards (torch replays the default streams itself)."""
     tracker = get_rng_tracker()
-    at_forward = tracker.get_states()
+    after_forward = tracker.get_states()
+    tracker.set_states(tracker_states)
+    try:
+        yield
+    finally:
+        tracker.set_states(after_forward)
+
+
+def _contexts():
+    region, at_forward = CheckpointRegion(), get_rng_tracker().get_states()
 
     @contextlib.contextmanager
-    def recompute_ctx():
-        after_forward = tracker.get_states()
-        tracker.set_states(at_forward)
-        try:
+    def recompute():
+        with _replaying(at_forward), _in_region(region, "recompute"):
             yield
-        finally:
-            tracker.set_states(after_forward)
 
-    return contextlib.nullcontext(), recompute_ctx()
+    return _in_region(region, "forward"), recompute()
 
 
 def checkpoint(function, *args, **kwargs):
     """Activation recompute: keep only the inputs of `function`; rerun it in backward with the
     same random streams, so dropout masks match and gradients are exact."""
     return torch_checkpoint(
-        function, *args, use_reentrant=False, preserve_rng_state=True,
-        context_fn=_replaying_tracker_contexts, **kwargs,
+        function, *args, use_reentrant=False, preserve_rng_state=True, context_fn=_contexts, **kwargs,
     )

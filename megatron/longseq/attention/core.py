@@ -3,6 +3,11 @@
 megatron-core calls it with q [sq, b, hq/tp, d] and k, v [sk, b, hkv/tp, d] (KV not repeated for
 GQA) and expects [sq, b, hq*d/tp]. Position embedding is applied here, from true position ids, not
 by GPTModel: a rank may hold any subset of the tokens, and only the ids say where each one is.
+
+Every context-parallel mode is one path (LoongTrain Algorithm 1), each step the identity at
+degree 1: KV replication (only when head-parallel size > KV heads), SeqAlltoAll over the
+head-parallel group, Double-Ring-Attention over the ring, SeqAlltoAll back. cp = 1 is local
+attention; hp = cp is DeepSpeed-Ulysses; hp = 1 is ring attention; both > 1 is 2D attention.
 """
 from __future__ import annotations
 
@@ -14,10 +19,14 @@ import torch
 
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
+from megatron.longseq.attention.comm import seq_all_to_all
+from megatron.longseq.attention.context_parallel import ContextParallel
 from megatron.longseq.attention.kernels import AttentionKernel, default_scale, select_kernel
-from megatron.longseq.attention.local import local_attention
+from megatron.longseq.attention.ledger import LEDGER
+from megatron.longseq.attention.placement import split_heads
+from megatron.longseq.attention.ring import ring_attention
 from megatron.longseq.attention.rope import RotaryEmbedding
-from megatron.longseq.random import checkpoint, get_rng_tracker
+from megatron.longseq.random import checkpoint, current_region, get_rng_tracker
 
 
 @dataclass
@@ -34,17 +43,19 @@ class AttentionInputs(PackedSeqParams):
 
 
 class LongSeqCoreAttention(MegatronModule):
-    """Causal self-attention through the fastest local kernel, RoPE from position ids."""
+    """Causal self-attention, context-parallel as `cp` says, through the fastest local kernel."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type="self",
-                 cp_comm_type=None, softmax_scale=None, pg_collection=None):
+                 cp_comm_type=None, softmax_scale=None, pg_collection=None, cp: ContextParallel = None):
         super().__init__(config=config)
         if attention_type != "self":
             raise ValueError(f"only self attention is supported, got {attention_type}")
         self.layer_number = layer_number
+        self.cp = cp if cp is not None else ContextParallel.local()
         self.scale = default_scale(config.kv_channels, softmax_scale)
         self.dropout_p = config.attention_dropout
         self.recompute = getattr(config, "recompute_core_attention", False)
+        self.keep_attention = getattr(config, "selective_checkpoint_pp", False)
         self.rope = None
         if getattr(config, "use_rope", False):
             self.rope = RotaryEmbedding(config.kv_channels, config.rotary_percent, config.rotary_base)
@@ -62,21 +73,46 @@ class LongSeqCoreAttention(MegatronModule):
         if self.rope is not None:
             positions = positions_of(packed_seq_params, query)
             query, key = self.rope(query, positions), self.rope(key, positions)
-        if self.recompute and self.training:
-            return checkpoint(self._attend, query, key, value, attention_mask)
-        return self._attend(query, key, value, attention_mask)
+        with LEDGER.scope(self.layer_number):
+            if self.recompute and self.training:
+                return checkpoint(self._attend, query, key, value, attention_mask)
+            return self._attend(query, key, value, attention_mask)
 
     def _attend(self, query, key, value, attention_mask):
         sq, b = query.shape[:2]
-        # [s, b, h, d] -> [b, h, s, d]: views, the kernels take strided inputs.
-        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
         dropout = self.dropout_p if self.training else 0.0
         if attention_mask is not None or dropout > 0.0:
-            out = self._sdpa(q, k, v, attention_mask, dropout)
-        else:
-            out, _ = local_attention(q, k, v, self.kernel_for(q), True, self.scale)
-        # [b, h, s, d] -> [s, b, h*d]
-        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+            if self.cp.size > 1:
+                raise ValueError("attention dropout and document masks need --context-parallel-size 1")
+            out = self._sdpa(*(x.permute(1, 2, 0, 3) for x in (query, key, value)), attention_mask, dropout)
+            return out.permute(2, 0, 1, 3).reshape(sq, b, -1)  # [b, h, s, d] -> [s, b, h*d]
+        out = self._two_d(query, key, value)
+        return out.reshape(sq, b, -1)  # [s, b, h, d] -> [s, b, h*d]
+
+    def _two_d(self, query, key, value):
+        """LoongTrain Algorithm 1 on [s, b, h, d] tensors; returns [s_local, b, h, d]."""
+        cp, layer = self.cp, self.layer_number
+        split = split_heads(query.shape[2], key.shape[2], cp.hp_size)
+        if split.kv_repeat > 1:  # [s, b, g, d] -> [s, b, g*r, d]; autograd sums the replicas' grads
+            key, value = (x.repeat_interleave(split.kv_repeat, dim=2) for x in (key, value))
+        # [s/hp, b, h, d] -> [s, b, h/hp, d] (sequence gathered, heads scattered)
+        q = seq_all_to_all(query, cp.hp_group, split.q_counts, cp.hp_index, True, layer)
+        k = seq_all_to_all(key, cp.hp_group, split.kv_counts, cp.hp_index, True, layer)
+        v = seq_all_to_all(value, cp.hp_group, split.kv_counts, cp.hp_index, True, layer)
+        # [s, b, h, d] -> [b, h, s, d] views for the kernels
+        out = self._ring(*(x.permute(1, 2, 0, 3) for x in (q, k, v)))
+        # [b, h/hp, s, d] -> [s, b, h/hp, d] -> [s/hp, b, h, d]
+        return seq_all_to_all(out.permute(2, 0, 1, 3), cp.hp_group, split.q_counts, cp.hp_index, False, layer)
+
+    def _ring(self, q, k, v):
+        """Double-Ring-Attention, with Selective Checkpoint++: inside a full-recompute region the
+        forward keeps (out, lse) and the recompute reuses them instead of attending again."""
+        region = current_region() if self.keep_attention else None
+        cached = region.kept.pop(0) if region is not None and region.phase == "recompute" else None
+        out, lse = ring_attention(q, k, v, self.cp.ring, self.kernel_for(q), self.scale, self.layer_number, cached)
+        if region is not None and region.phase == "forward":
+            region.kept.append((out.detach(), lse.detach()))
+        return out
 
     def _sdpa(self, q, k, v, attention_mask, dropout):
         """Document masks (--reset-attention-mask) and attention dropout go through torch's SDPA:

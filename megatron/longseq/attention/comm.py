@@ -1,0 +1,106 @@
+"""Attention communication: the Ulysses all-to-all (autograd) and ring P2P, all on explicit groups
+and all recorded in the ledger."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List
+
+import torch
+import torch.distributed as dist
+
+from megatron.longseq.attention.ledger import LEDGER
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# ---- Ulysses SeqAlltoAll ---------------------------------------------------------------------
+
+def _scatter_heads_gather_seq(x, group, head_counts: List[int], my_rank: int):
+    """[s, b, H, d] (all heads, this rank's sequence shard) -> [hp*s, b, H_me, d] (the shards of
+    every hp rank in rank order = the gathered sequence, this rank's heads)."""
+    s, b, _, d = x.shape
+    starts = [sum(head_counts[:i]) for i in range(len(head_counts))]
+    # send buffer: for each destination its heads, each piece [s, b, h_i, d] flattened
+    send = torch.cat([x[:, :, st : st + n].reshape(-1) for st, n in zip(starts, head_counts)])
+    mine = head_counts[my_rank]
+    recv = torch.empty(len(head_counts) * s * b * mine * d, dtype=x.dtype, device=x.device)
+    dist.all_to_all_single(recv, send, [s * b * mine * d] * len(head_counts),
+                           [s * b * n * d for n in head_counts], group=group)
+    return recv.view(len(head_counts) * s, b, mine, d)  # sources in rank order = sequence order
+
+
+def _scatter_seq_gather_heads(x, group, head_counts: List[int], my_rank: int):
+    """[hp*s, b, H_me, d] -> [s, b, H, d]: the inverse of _scatter_heads_gather_seq."""
+    hp = len(head_counts)
+    S, b, mine, d = x.shape
+    s = S // hp
+    send = x.contiguous().view(-1)  # sequence is the outer dim: destination i gets rows i*s..
+    recv = torch.empty(s * b * sum(head_counts) * d, dtype=x.dtype, device=x.device)
+    dist.all_to_all_single(recv, send, [s * b * n * d for n in head_counts], [s * b * mine * d] * hp,
+                           group=group)
+    pieces = torch.split(recv, [s * b * n * d for n in head_counts])
+    return torch.cat([p.view(s, b, n, d) for p, n in zip(pieces, head_counts)], dim=2)
+
+
+class _SeqAllToAll(torch.autograd.Function):
+    """to_heads=True: sequence-sharded -> head-sharded (before attention); False: back. The
+    backward of one direction is the other."""
+
+    @staticmethod
+    def forward(ctx, x, group, head_counts, my_rank, to_heads, layer):
+        ctx.args = (group, head_counts, my_rank, to_heads, layer)
+        LEDGER.record(layer, "fwd", "all_to_all", "hp", _nbytes(x))
+        fn = _scatter_heads_gather_seq if to_heads else _scatter_seq_gather_heads
+        return fn(x, group, head_counts, my_rank)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, head_counts, my_rank, to_heads, layer = ctx.args
+        LEDGER.record(layer, "bwd", "all_to_all", "hp", _nbytes(grad))
+        fn = _scatter_seq_gather_heads if to_heads else _scatter_heads_gather_seq
+        return fn(grad.contiguous(), group, head_counts, my_rank), None, None, None, None, None
+
+
+def seq_all_to_all(x, group, head_counts, my_rank, to_heads: bool, layer=None):
+    """Ulysses' SeqAlltoAll over the head-parallel group. Identity for one rank."""
+    if len(head_counts) == 1:
+        return x
+    return _SeqAllToAll.apply(x, group, list(head_counts), my_rank, to_heads, layer)
+
+
+# ---- ring P2P --------------------------------------------------------------------------------
+
+@dataclass
+class RingComm:
+    """Send to the next member of a ring, receive from the previous one (async)."""
+
+    group: object
+    members: List[int]  # global ranks in ring order
+    index: int  # this rank's position
+    axis: str  # "inner" or "outer", for the ledger
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    def send_recv(self, tensor: torch.Tensor, layer, phase: str):
+        """Start sending `tensor` forward and receiving the previous member's; returns a pending
+        receive whose .wait() gives the received tensor."""
+        recv = torch.empty_like(tensor)
+        nxt = self.members[(self.index + 1) % self.size]
+        prv = self.members[(self.index - 1) % self.size]
+        ops = [dist.P2POp(dist.isend, tensor, nxt, self.group), dist.P2POp(dist.irecv, recv, prv, self.group)]
+        LEDGER.record(layer, phase, "p2p", self.axis, _nbytes(tensor))
+        return _Pending(dist.batch_isend_irecv(ops), recv, tensor)
+
+
+class _Pending:
+    def __init__(self, requests, recv, sent):
+        self.requests, self.recv, self.sent = requests, recv, sent  # keep `sent` alive until done
+
+    def wait(self) -> torch.Tensor:
+        for r in self.requests:
+            r.wait()
+        return self.recv

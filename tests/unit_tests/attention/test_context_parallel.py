@@ -1,0 +1,152 @@
+"""Every context-parallel mode against float64 attention over the whole sequence, on 2/4/8 gloo
+ranks: forward output and dq/dk/dv of each rank's tokens, plus the communication ledger against
+the papers' formulas. Each rank builds the full problem from one seed and checks its own share."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.longseq.attention.context_parallel import ContextParallel
+from megatron.longseq.attention.core import AttentionInputs, LongSeqCoreAttention
+from megatron.longseq.attention.ledger import LEDGER
+from megatron.longseq.attention.placement import local_token_indices
+from megatron.longseq.random import checkpoint
+from tests.unit_tests.attention.test_core_attention import config, reference
+from tests.unit_tests.dist_utils import grid_groups, run_ranks
+
+S, B, D = 32, 2, 8
+
+
+def full_problem(heads, groups, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(S, B, n, D, generator=g) for n in (heads, groups, groups))
+    dout = torch.randn(S, B, heads * D, generator=g)
+    positions = torch.arange(S).expand(B, S)
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    ref = reference(*leaves, positions)
+    ref.backward(dout.double())
+    return (q, k, v, dout, positions), (ref.detach(), *(x.grad for x in leaves))
+
+
+def run_mode(pgs, heads, groups, keep=False):
+    """This rank's share through LongSeqCoreAttention; returns (indices, out, dq, dk, dv)."""
+    (q, k, v, dout, positions), _ = full_problem(heads, groups)
+    cp = ContextParallel.from_process_groups(pgs)
+    idx = local_token_indices(S, cp.hp_size, cp.ring.size, cp.hp_index, cp.ring.ring_index)
+    attn = LongSeqCoreAttention(_keep_config(heads, groups) if keep else config(heads, groups, d=D),
+                                layer_number=1, attn_mask_type=None, cp=cp)
+    leaves = [x[idx].clone().requires_grad_() for x in (q, k, v)]
+    params = AttentionInputs(position_ids=positions[:, idx])
+    if keep:  # inside a full-recompute region, as the layer wrapper does
+        out = checkpoint(lambda a, b, c: attn(a, b, c, None, packed_seq_params=params), *leaves)
+    else:
+        out = attn(*leaves, None, packed_seq_params=params)
+    out.backward(dout[idx])
+    return idx, out.detach(), *(x.grad for x in leaves)
+
+
+def _keep_config(heads, groups):
+    cfg = config(heads, groups, d=D)
+    cfg.selective_checkpoint_pp = True
+    return cfg
+
+
+# fp32 kernels and fp32 merges on O(1) values; RoPE angles up to 32 rad (~4e-6 rounding). The
+# same bounds as the single-rank module test (test_core_attention.py).
+ATOL_OUT, ATOL_GRAD = 1e-4, 2e-4
+
+
+def check(pgs, heads, groups, keep=False):
+    _, (ref, dq, dk, dv) = full_problem(heads, groups)
+    idx, out, gq, gk, gv = run_mode(pgs, heads, groups, keep)
+    torch.testing.assert_close(out.double(), ref[idx], atol=ATOL_OUT, rtol=0)
+    for got, want in ((gq, dq), (gk, dk), (gv, dv)):
+        torch.testing.assert_close(got.double(), want[idx], atol=ATOL_GRAD, rtol=0)
+
+
+# (hp, ring, inner ring, placement, heads, kv groups) per world size
+MODES = {
+    2: [(1, 2, None, "head-first", 4, 4), (2, 1, None, "head-first", 4, 2), (2, 1, None, "head-first", 4, 1)],
+    4: [(1, 4, None, "head-first", 4, 2), (1, 4, 2, "context-first", 4, 4), (4, 1, None, "head-first", 4, 1),
+        (2, 2, None, "head-first", 4, 4), (2, 2, None, "context-first", 4, 1), (4, 1, None, "head-first", 6, 6),
+        (1, 4, 1, "head-first", 2, 2)],
+    8: [(2, 4, 2, "context-first", 4, 2), (4, 2, None, "head-first", 8, 2), (1, 8, 4, "context-first", 2, 1),
+        (8, 1, None, "head-first", 8, 8), (2, 4, 2, "head-first", 4, 1)],
+}
+
+
+def _all_modes(world):
+    for hp, ring, inner, placement, heads, groups in MODES[world]:
+        pgs = grid_groups(cp=hp * ring, hp=hp, inner_ring=inner, placement=placement)
+        try:
+            check(pgs, heads, groups)
+        except AssertionError as err:
+            raise AssertionError(f"hp={hp} ring={ring} inner={inner} {placement} heads={heads} "
+                                 f"groups={groups}: {err}") from None
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_every_mode_matches_whole_sequence_attention(world):
+    run_ranks(_all_modes, world, world)
+
+
+def _ledger_formulas():
+    elem = 4  # fp32
+    s_local = S // 4
+    # Ulysses, hp = 4, MHA: four all-to-alls per layer and pass, each the local [s/P, b, H, d].
+    LEDGER.clear()
+    check(grid_groups(cp=4, hp=4), heads=4, groups=4)
+    t = LEDGER.totals(layer=1)
+    assert t[("fwd", "all_to_all", "hp")].count == 4 and t[("bwd", "all_to_all", "hp")].count == 4
+    assert t[("fwd", "all_to_all", "hp")].bytes == 4 * s_local * B * 4 * D * elem  # 4Nh/P
+    assert ("fwd", "p2p", "inner") not in t
+    # Ulysses with GQA (2 KV heads, no replication at hp = 2): 2Nh/P + 2Nh(g/H)/P.
+    LEDGER.clear()
+    check(grid_groups(cp=2, hp=2), heads=4, groups=2)
+    t = LEDGER.totals(layer=1)
+    assert t[("fwd", "all_to_all", "hp")].bytes == (2 * 4 + 2 * 2) * (S // 2) * B * D * elem
+    # Ring, R = 4 = W: R-1 KV transfers forward, each the local KV chunk [2, b, g, S/R, d];
+    # backward R-1 KV transfers plus R dK/dV transfers (fp32) that bring gradients home.
+    LEDGER.clear()
+    check(grid_groups(cp=4, hp=1), heads=4, groups=2)
+    t = LEDGER.totals(layer=1)
+    kv_chunk = 2 * B * 2 * s_local * D * elem
+    assert (t[("fwd", "p2p", "inner")].count, t[("fwd", "p2p", "inner")].bytes) == (3, 3 * kv_chunk)
+    assert t[("bwd", "p2p", "inner")].count == 3 + 4
+    assert ("fwd", "p2p", "outer") not in t
+    # Double ring, R = 4, W = 2 (O = 2): per outer step W-1 inner transfers, plus one outer
+    # transfer per outer step except the last (LoongTrain 4.5.3).
+    LEDGER.clear()
+    check(grid_groups(cp=4, hp=1, inner_ring=2, placement="context-first"), heads=4, groups=2)
+    t = LEDGER.totals(layer=1)
+    assert t[("fwd", "p2p", "inner")].count == 2 * (2 - 1)
+    assert t[("fwd", "p2p", "outer")].count == 2 - 1
+    assert t[("fwd", "p2p", "outer")].bytes == kv_chunk
+    # 2D, hp = 2 x ring 2 with 1 KV head: replicated to 2 before the all-to-all, so the ring
+    # carries one KV head per rank -- never the replicas.
+    LEDGER.clear()
+    check(grid_groups(cp=4, hp=2), heads=4, groups=1)
+    t = LEDGER.totals(layer=1)
+    assert t[("fwd", "p2p", "inner")].bytes == 1 * 2 * B * 1 * (S // 2) * D * elem
+    assert t[("fwd", "all_to_all", "hp")].count == 4
+
+
+def test_ledger_matches_the_papers_formulas():
+    run_ranks(_ledger_formulas, 4)
+
+
+def _selective_checkpoint_pp():
+    pgs = grid_groups(cp=4, hp=2)
+    check(pgs, heads=4, groups=2, keep=True)  # same outputs and gradients as without recompute
+    LEDGER.clear()
+    run_mode(pgs, heads=4, groups=2, keep=True)
+    t = LEDGER.totals(layer=1)
+    # The recompute repeats the all-to-alls of q, k, v (their outputs are the attention's saved
+    # inputs) but not the ring attention: one forward's ring transfers (R-1 = 1), not two. Nothing
+    # after the attention saves tensors here, so torch's checkpoint stops the recompute before
+    # the output all-to-all: 4 + 3 all-to-alls.
+    assert t[("fwd", "p2p", "inner")].count == 1
+    assert t[("fwd", "all_to_all", "hp")].count == 4 + 3
+
+
+def test_selective_checkpoint_pp_keeps_attention_and_skips_its_recompute():
+    run_ranks(_selective_checkpoint_pp, 4)
