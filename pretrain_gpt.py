@@ -10,6 +10,7 @@ from functools import partial
 
 import torch
 
+from megatron.core import parallel_state as mpu
 from megatron.longseq.attention.core import AttentionInputs
 from megatron.training.data import build_datasets, to_device
 from megatron.training.model import build_gpt_model
@@ -29,13 +30,21 @@ def get_batch(data_iterator, device):
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     """Sum of masked per-token losses, the token count, and the same pair for the report (the
-    trainer reduces reports once per iteration, over micro-batches and data-parallel ranks)."""
+    trainer reduces reports once per iteration, over micro-batches and data-parallel ranks).
+
+    Context parallelism: each rank holds part of every sequence. The token count is the whole
+    sequence's (summed over the cp group) and the loss is scaled by cp, because gradients are
+    averaged over dp x cp: the average of cp x local sums / all tokens is the sequence's mean."""
     losses = output_tensor.float().view(-1)
     mask = loss_mask.view(-1).float()
     loss_sum = torch.sum(losses * mask)
-    num_tokens = mask.sum().to(torch.int64)
     report = torch.stack([loss_sum.detach(), mask.sum().detach()])
-    return loss_sum, num_tokens, {"lm loss": report}
+    num_tokens = mask.sum().to(torch.int64)
+    cp_group = mpu.get_context_parallel_group()
+    cp = torch.distributed.get_world_size(cp_group)
+    if cp > 1:
+        torch.distributed.all_reduce(num_tokens, group=cp_group)
+    return loss_sum * cp, num_tokens, {"lm loss": report}
 
 
 def forward_step(data_iterator, model):

@@ -30,8 +30,6 @@ UNSUPPORTED = {
     "--train-samples": "sample-based training is not implemented; use --train-iters",
     "--overlap-param-gather": "param all-gather overlap is not implemented (--overlap-grad-reduce is)",
     "--num-layers-per-virtual-pipeline-stage": "interleaved pipelining is not implemented yet",
-    "--hierarchical-context-parallel-sizes": "context parallelism is not implemented yet",
-    "--cp-comm-type": "context parallelism is not implemented yet",
 }
 
 # Flags a Megatron launch script passes that change nothing here (fusions we do not have, or
@@ -83,6 +81,14 @@ def _parallel(p):
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--cp-comm-type", nargs="+", choices=["p2p", "a2a", "a2a+p2p"], default=["p2p"],
+                   help="p2p: ring attention; a2a: Ulysses; a2a+p2p: 2D attention (one value: all layers)")
+    g.add_argument("--hierarchical-context-parallel-sizes", nargs="+", type=int, default=None,
+                   help="a2a+p2p: head-parallel size and ring size, product = context parallel size")
+    g.add_argument("--cp-inner-ring-size", type=int, default=None,
+                   help="Double-Ring-Attention inner ring size (default: the ring size, a plain ring)")
+    g.add_argument("--cp-placement", choices=["head-first", "context-first"], default="head-first",
+                   help="which group sits on adjacent ranks (LoongTrain 4.4)")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
@@ -136,6 +142,9 @@ def _training(p):
     g.add_argument("--recompute-granularity", choices=["full", "selective"])
     g.add_argument("--recompute-method", choices=["uniform", "block"])
     g.add_argument("--recompute-num-layers", type=int)
+    g.add_argument("--selective-checkpoint-pp", action="store_true",
+                   help="with --recompute-granularity full, keep attention (out, lse) instead of "
+                        "recomputing it (LoongTrain's Selective Checkpoint++)")
     g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local")
     g.add_argument("--attention-backend", choices=["flash", "fused", "unfused", "local", "auto"], default="auto")
     g.add_argument("--deterministic-mode", action="store_true")

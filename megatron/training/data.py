@@ -13,6 +13,7 @@ import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.utils import get_blend_from_list
+from megatron.longseq.attention.placement import RankTokens, local_token_indices
 
 
 def train_valid_test_num_samples(args):
@@ -63,6 +64,9 @@ class PretrainingSampler:
 def build_loader(dataset, consumed_samples: int, args, pgs) -> Optional[Iterator]:
     if dataset is None or len(dataset) == 0:
         return None
+    if pgs.size("cp") > 1:  # this rank's tokens only, in its attention mode's order
+        dataset = RankTokens(dataset, local_token_indices(
+            args.seq_length, pgs.size("hp"), pgs.size("ring"), pgs.index("hp"), pgs.index("ring")))
     dp_rank, dp_size = pgs.index("dp"), pgs.size("dp")
     sampler = PretrainingSampler(len(dataset), consumed_samples, args.micro_batch_size, dp_rank, dp_size)
     # The loader draws its workers' base seed when an iterator is made; from its own generator,

@@ -8,6 +8,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.module import Float16Module
+from megatron.longseq.attention.context_parallel import ContextParallel
 from megatron.longseq.attention.spec import gpt_block_spec
 from megatron.longseq.config import LongSeqConfig
 from megatron.longseq.recompute import apply_full_recompute
@@ -54,6 +55,7 @@ def transformer_config(args) -> LongSeqConfig:
         rotary_base=float(args.rotary_base),
         rotary_percent=args.rotary_percent,
         recompute_core_attention=args.recompute_granularity == "selective",
+        selective_checkpoint_pp=args.selective_checkpoint_pp,
     )
 
 
@@ -63,7 +65,8 @@ def build_gpt_model(args, pgs, device: torch.device, pre_process: bool = True, p
     num_layers = args.num_layers // args.pipeline_model_parallel_size
     model = GPTModel(
         config=config,
-        transformer_layer_spec=gpt_block_spec(config, num_layers, args.transformer_impl),
+        transformer_layer_spec=gpt_block_spec(config, num_layers, args.transformer_impl,
+                                              ContextParallel.from_process_groups(pgs)),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,

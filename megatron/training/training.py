@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.utils import get_model_config
+from megatron.longseq.attention.ledger import LEDGER
 from megatron.longseq.pipeline.schedules import forward_backward_no_pipelining
 from megatron.training.arguments import ArgsError, parse_args
 from megatron.training.checkpointing import load_checkpoint, save_checkpoint
@@ -138,6 +139,7 @@ def train_step(forward_step_func, data_iterator, state: TrainState, args, pgs, t
 
 def evaluate(forward_step_func, data_iterator, state: TrainState, args, pgs, num_iters: int):
     state.model.eval()
+    LEDGER.enabled = False  # the ledger reports training iterations
     totals = []
     with torch.no_grad():
         for _ in range(num_iters):
@@ -147,6 +149,7 @@ def evaluate(forward_step_func, data_iterator, state: TrainState, args, pgs, num
                 micro_batch_size=args.micro_batch_size, forward_only=True,
             ))
     state.model.train()
+    LEDGER.enabled = True
     return reduce_reports(totals, pgs, state.optimizer.main_data.device)
 
 
@@ -217,6 +220,9 @@ class _Reporter:
         self._timers(state.iteration)
 
     def _timers(self, iteration):
+        if self.args.timing_log_level >= 2:
+            print_rank_0(LEDGER.format(iterations=self.args.log_interval))
+        LEDGER.clear()
         times = self.timers.pop_min_max(list(self.TIMERS))
         if not times:
             return

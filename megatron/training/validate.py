@@ -8,6 +8,7 @@ import os
 
 import torch
 
+from megatron.longseq.attention.placement import split_heads
 from megatron.longseq.parallel_state import GridError, RankGrid
 from megatron.training.arguments import ArgsError
 
@@ -84,9 +85,10 @@ def _model_args(args):
 def _parallel_args(args, world_size):
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     _require(pp == 1, f"--pipeline-model-parallel-size {pp}: pipeline parallelism is not implemented yet; use 1")
-    _require(cp == 1, f"--context-parallel-size {cp}: context parallelism is not implemented yet; use 1")
+    args.head_parallel_size, args.ring_size = _cp_split(args, cp)
     try:
-        grid = RankGrid(world_size=world_size, tp=tp, pp=pp, cp=cp)
+        grid = RankGrid(world_size=world_size, tp=tp, pp=pp, cp=cp, hp=args.head_parallel_size,
+                        inner_ring=args.cp_inner_ring_size, placement=args.cp_placement)
     except GridError as err:
         raise ArgsError(str(err)) from None
     args.world_size = world_size
@@ -97,6 +99,7 @@ def _parallel_args(args, world_size):
     _require(args.num_query_groups % tp == 0,
              f"number of query groups {args.num_query_groups} is not divisible by "
              f"--tensor-model-parallel-size {tp}")
+    _context_parallel_args(args, cp, tp)
     cuda = torch.cuda.is_available()
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if cuda else "gloo"
@@ -110,6 +113,44 @@ def _parallel_args(args, world_size):
              "allocate their buffers on the GPU")
     _require(args.transformer_impl == "local" or cuda,
              "--transformer-impl transformer_engine needs CUDA and Transformer Engine; use local on CPU")
+
+
+def _cp_split(args, cp):
+    """(head-parallel, ring) sizes from --cp-comm-type and --hierarchical-context-parallel-sizes."""
+    if len(args.cp_comm_type) != 1:
+        raise ArgsError(f"--cp-comm-type takes one value for all layers, got {args.cp_comm_type}")
+    mode, sizes = args.cp_comm_type[0], args.hierarchical_context_parallel_sizes
+    args.cp_comm_type = mode
+    _require(args.cp_inner_ring_size is None or mode != "a2a",
+             "--cp-inner-ring-size needs a ring (--cp-comm-type p2p or a2a+p2p)")
+    if mode != "a2a+p2p":
+        _require(sizes is None, "--hierarchical-context-parallel-sizes needs --cp-comm-type a2a+p2p")
+        return (cp, 1) if mode == "a2a" else (1, cp)
+    _require(sizes is not None and len(sizes) == 2,
+             "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes HEAD_PARALLEL RING")
+    _require(sizes[0] * sizes[1] == cp,
+             f"--hierarchical-context-parallel-sizes {sizes[0]} x {sizes[1]} = {sizes[0] * sizes[1]} "
+             f"differs from --context-parallel-size {cp}")
+    return sizes[0], sizes[1]
+
+
+def _context_parallel_args(args, cp, tp):
+    hp, ring = args.head_parallel_size, args.ring_size
+    _require(args.seq_length % (2 * cp) == 0,
+             f"--seq-length {args.seq_length} is not divisible by 2 x --context-parallel-size {cp} = {2 * cp}")
+    heads, groups = args.num_attention_heads // tp, args.num_query_groups // tp
+    try:
+        split_heads(heads, groups, hp)
+    except ValueError as err:
+        raise ArgsError(f"head-parallel size {hp}: {err}") from None
+    if cp > 1:
+        _require(args.attention_dropout == 0.0,
+                 "--attention-dropout must be 0 with --context-parallel-size > 1 (ring attention merges "
+                 "softmax partials; dropout would need one mask across ranks)")
+        _require(not args.reset_attention_mask,
+                 "--reset-attention-mask is not supported with --context-parallel-size > 1")
+    _require(not args.selective_checkpoint_pp or args.recompute_granularity == "full",
+             "--selective-checkpoint-pp needs --recompute-granularity full")
 
 
 def _batch_args(args):

@@ -57,6 +57,21 @@ CASES = [
     Case("gpt_llama_tp2_dp2_distopt", 4,
          LLAMA + "--tensor-model-parallel-size 2 --use-distributed-optimizer".split(), "gpt_llama"),
     Case("gpt_llama_bf16", 1, LLAMA + ["--bf16"]),
+    # Context parallelism: ring, Ulysses, Double-Ring and 2D attention, with TP and with
+    # Selective Checkpoint++, on the single-rank curves.
+    Case("gpt_base_cp2_ring", 2, "--context-parallel-size 2 --cp-comm-type p2p".split(), "gpt_base"),
+    Case("gpt_base_cp2_ulysses", 2, "--context-parallel-size 2 --cp-comm-type a2a".split(), "gpt_base"),
+    Case("gpt_llama_cp4_2d_context_first", 4, LLAMA + (
+        "--context-parallel-size 4 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 2 "
+        "--cp-placement context-first").split(), "gpt_llama"),
+    Case("gpt_llama_cp4_double_ring", 4, LLAMA + (
+        "--context-parallel-size 4 --cp-comm-type p2p --cp-inner-ring-size 2").split(), "gpt_llama"),
+    Case("gpt_llama_tp2_cp2_ulysses_kv_replicated", 4, LLAMA + (
+        "--tensor-model-parallel-size 2 --context-parallel-size 2 --cp-comm-type a2a").split(), "gpt_llama"),
+    Case("gpt_llama_cp4_2d_selective_checkpoint_pp", 4, LLAMA + (
+        "--context-parallel-size 4 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 2 "
+        "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
+        "--selective-checkpoint-pp").split(), "gpt_llama"),
     Case("gpt_dropout", 1, "--hidden-dropout 0.1 --attention-dropout 0.1".split()),
     Case("gpt_dropout_recompute", 1, "--hidden-dropout 0.1 --attention-dropout 0.1 --recompute-granularity "
          "full --recompute-method block --recompute-num-layers 1".split(), "gpt_dropout"),

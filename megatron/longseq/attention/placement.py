@@ -35,16 +35,21 @@ def local_token_indices(seq_len: int, hp: int, ring: int, hp_index: int, ring_in
     return tokens[hp_index * per_rank : (hp_index + 1) * per_rank]
 
 
-def slice_batch(batch: dict, indices: torch.Tensor) -> dict:
-    """Apply this rank's token indices to every [b, s] tensor of a batch; document masks
-    ([b, 1, s, s]) keep all keys for the local queries."""
-    out = {}
-    for key, value in batch.items():
-        if key == "attention_mask":
-            raise ValueError("document attention masks (--reset-attention-mask) are not supported "
-                             "with context parallelism")
-        out[key] = value.index_select(1, indices)
-    return out
+class RankTokens(torch.utils.data.Dataset):
+    """A GPT dataset seen by one context-parallel rank: every per-token tensor of a sample
+    ([s] tokens, labels, loss mask, position ids) reduced to this rank's indices, in order."""
+
+    def __init__(self, dataset, indices: torch.Tensor):
+        self.dataset, self.indices = dataset, indices
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        sample = self.dataset[i]
+        if "attention_mask" in sample:
+            raise ValueError("document attention masks are not supported with context parallelism")
+        return {key: value[self.indices] for key, value in sample.items()}
 
 
 @dataclass(frozen=True)

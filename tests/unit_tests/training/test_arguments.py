@@ -76,7 +76,23 @@ def test_padded_vocab_matches_megatron():
     ("--distributed-backend nccl", 1, "--distributed-backend nccl needs CUDA"),
     ("--sequence-parallel --tensor-model-parallel-size 2", 2, "--sequence-parallel needs CUDA"),
     ("--pipeline-model-parallel-size 2", 2, "pipeline parallelism is not implemented yet"),
-    ("--context-parallel-size 2", 2, "context parallelism is not implemented yet"),
+    ("--context-parallel-size 3", 3, "--seq-length 128 is not divisible by 2 x --context-parallel-size 3 = 6"),
+    ("--context-parallel-size 4 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 4", 4,
+     "--hierarchical-context-parallel-sizes 2 x 4 = 8 differs from --context-parallel-size 4"),
+    ("--context-parallel-size 4 --cp-comm-type a2a+p2p", 4, "needs --hierarchical-context-parallel-sizes"),
+    ("--context-parallel-size 2 --hierarchical-context-parallel-sizes 1 2", 2,
+     "--hierarchical-context-parallel-sizes needs --cp-comm-type a2a+p2p"),
+    ("--context-parallel-size 8 --cp-inner-ring-size 3 --seq-length 128", 8, "inner ring size 3 does not divide the ring size 8"),
+    ("--context-parallel-size 2 --cp-comm-type a2a --cp-inner-ring-size 2", 2, "--cp-inner-ring-size needs a ring"),
+    ("--context-parallel-size 8 --cp-comm-type a2a --num-attention-heads 4", 8,
+     "head-parallel size 8: 4 query heads per tensor-parallel rank cannot be split over head-parallel size 8"),
+    ("--context-parallel-size 4 --cp-comm-type a2a --group-query-attention --num-query-groups 6 "
+     "--num-attention-heads 12 --hidden-size 96", 4,
+     "head-parallel size 4: 6 KV heads per tensor-parallel rank and head-parallel size 4: one must divide the other"),
+    ("--context-parallel-size 2 --hidden-dropout 0 --attention-dropout 0.1", 2, "--attention-dropout must be 0"),
+    ("--context-parallel-size 2 --attention-dropout 0 --reset-attention-mask", 2, "--reset-attention-mask is not supported"),
+    ("--selective-checkpoint-pp", 1, "--selective-checkpoint-pp needs --recompute-granularity full"),
+    ("--cp-comm-type a2a p2p", 1, "--cp-comm-type takes one value for all layers"),
     ("--save-interval 5", 1, "--save-interval needs --save"),
     ("--ckpt-format torch_dist", 1, "--ckpt-format torch_dist is not implemented"),
     ("--position-embedding-type rope --rotary-percent 0.1", 1, "rotary dim = kv channels 16 x --rotary-percent 0.1 = 1"),
@@ -122,6 +138,20 @@ def test_no_op_compatibility_flags_are_accepted():
     args = args_for("--use-mcore-models --no-gradient-accumulation-fusion --no-masked-softmax-fusion "
                     "--attention-softmax-in-fp32 --use-cpu-initialization --no-bias-dropout-fusion")
     assert args.num_layers == 2
+
+
+def test_context_parallel_layouts():
+    ring = args_for("--context-parallel-size 4 --attention-dropout 0", world=8)
+    assert (ring.head_parallel_size, ring.ring_size, ring.data_parallel_size) == (1, 4, 2)
+    uly = args_for("--context-parallel-size 4 --cp-comm-type a2a --attention-dropout 0", world=4)
+    assert (uly.head_parallel_size, uly.ring_size) == (4, 1)
+    two_d = args_for("--context-parallel-size 4 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes "
+                     "2 2 --cp-inner-ring-size 1 --attention-dropout 0", world=4)
+    assert (two_d.head_parallel_size, two_d.ring_size, two_d.cp_inner_ring_size) == (2, 2, 1)
+    # GQA with fewer KV heads than the head-parallel size: legal (KV replication).
+    gqa = args_for("--context-parallel-size 4 --cp-comm-type a2a --group-query-attention --num-query-groups 1 "
+                   "--attention-dropout 0", world=4)
+    assert gqa.head_parallel_size == 4
 
 
 def test_sequence_parallel_with_one_tp_rank_is_off_as_in_megatron():
