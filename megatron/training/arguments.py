@@ -103,6 +103,9 @@ def _parallel(p):
 def _data(p):
     g = p.add_argument_group("data")
     g.add_argument("--mock-data", action="store_true")
+    g.add_argument("--passkey-data", action="store_true",
+                   help="synthetic passkey retrieval: a key planted early, asked at the end (long-range)")
+    g.add_argument("--passkey-length", type=int, default=1, help="key tokens per passkey sample")
     g.add_argument("--data-path", nargs="*", default=None)
     g.add_argument("--split", type=str, default=None)
     g.add_argument("--data-cache-path", type=str, default=None)

@@ -14,6 +14,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.utils import get_blend_from_list
 from megatron.longseq.attention.placement import RankTokens, local_token_indices
+from megatron.training.passkey import build_passkey_datasets
 
 
 def train_valid_test_num_samples(args):
@@ -24,6 +25,8 @@ def train_valid_test_num_samples(args):
 
 
 def build_datasets(args, tokenizer, num_samples):
+    if getattr(args, "passkey_data", False):
+        return build_passkey_datasets(args, num_samples)
     config = GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,

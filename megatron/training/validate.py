@@ -190,8 +190,13 @@ def _recompute_args(args):
 
 
 def _data_args(args):
-    _require(args.mock_data != bool(args.data_path),
-             "give exactly one of --mock-data and --data-path")
+    _require(int(args.mock_data) + int(args.passkey_data) + int(bool(args.data_path)) == 1,
+             "give exactly one of --mock-data, --passkey-data and --data-path")
+    if args.passkey_data:
+        _require(args.tokenizer_type == "NullTokenizer", "--passkey-data needs --tokenizer-type NullTokenizer")
+        _require(args.vocab_size > 30, f"--passkey-data needs --vocab-size > 30, got {args.vocab_size}")
+        _require(args.seq_length >= 8 * (args.passkey_length + 2),
+                 f"--seq-length {args.seq_length} is too short for --passkey-length {args.passkey_length}")
     if args.data_path:
         for prefix in data_prefixes(args.data_path):
             for ext in (".bin", ".idx"):

@@ -97,7 +97,7 @@ def test_padded_vocab_matches_megatron():
     ("--ckpt-format torch_dist", 1, "--ckpt-format torch_dist is not implemented"),
     ("--position-embedding-type rope --rotary-percent 0.1", 1, "rotary dim = kv channels 16 x --rotary-percent 0.1 = 1"),
     ("--hidden-dropout 1.0", 1, "--hidden-dropout must be in [0, 1)"),
-    ("--data-path /nonexistent/corpus", 1, "give exactly one of --mock-data and --data-path"),
+    ("--data-path /nonexistent/corpus", 1, "give exactly one of --mock-data, --passkey-data and --data-path"),
 ])
 def test_bad_input_is_one_line(extra, world, message):
     assert message in error_of(extra, world)

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.training.data import PretrainingSampler, build_datasets
@@ -100,3 +101,25 @@ def test_null_tokenizer_corpus_of_ids(tmp_path):
                           "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--append-eod"])
     ds = IndexedDataset(str(tmp_path / "ids_text_document"))
     assert ds[1].tolist() == [1, 2, 3, 4, 5, 100]
+
+
+def test_passkey_samples_hide_the_key_early_and_ask_for_it_last():
+    from megatron.training.passkey import FILLER_START, KEY_IDS, KEY_START, QUERY, PasskeyDataset
+
+    ds = PasskeyDataset(num_samples=50, seq_length=128, vocab_size=100, key_length=2, seed=3)
+    keys = set()
+    for i in range(50):
+        s = ds[i]
+        seq = torch.cat([s["tokens"], s["labels"][-1:]])
+        at = int((seq == KEY_START).nonzero()[0])
+        assert at < 128 // 4 and seq[-3] == QUERY
+        key = seq[at + 1 : at + 3]
+        assert all(int(t) in KEY_IDS for t in key) and seq[-2:].tolist() == key.tolist()
+        filler = [t for j, t in enumerate(seq.tolist()) if j not in (at, at + 1, at + 2, 126, 127, 128)]
+        assert min(filler) >= FILLER_START  # key ids never appear as filler
+        assert s["loss_mask"].tolist() == [0.0] * 126 + [1.0, 1.0]  # only the answer counts
+        assert s["labels"][-2:].tolist() == key.tolist()
+        keys.add(tuple(key.tolist()))
+    assert len(keys) > 30  # keys vary
+    assert torch.equal(ds[7]["tokens"], PasskeyDataset(50, 128, 100, 2, seed=3)[7]["tokens"])  # pure function
+

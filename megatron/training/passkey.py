@@ -1,0 +1,58 @@
+"""Passkey retrieval: a synthetic long-range task (--passkey-data).
+
+Every sample is random filler with a key planted early and asked for at the very end:
+
+    filler ... KEY_START k_1..k_n filler ... filler QUERY k_1..k_n
+    ^ key position uniform in the first quarter          ^ the last n+1 tokens
+
+Key tokens come from ten ids that never occur as filler, and the loss counts only the answer
+(the key after QUERY), so its chance level is ln(10) = 2.303 per token. Predicting the key needs
+the query to attend across the whole sequence -- a model whose attention stops short of the start
+cannot beat chance. Samples are a pure function of (seed, index), like Megatron's mock data.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+KEY_START, QUERY = 1, 2
+KEY_IDS = range(10, 20)  # the ten key "digits"
+FILLER_START = 20  # filler ids: 20 .. vocab-1
+CHANCE_LOSS = float(np.log(len(KEY_IDS)))
+
+
+class PasskeyDataset(torch.utils.data.Dataset):
+    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, key_length: int = 1, seed: int = 0):
+        if vocab_size <= FILLER_START + 10:
+            raise ValueError(f"passkey data needs --vocab-size > {FILLER_START + 10}, got {vocab_size}")
+        if seq_length < 8 * (key_length + 2):
+            raise ValueError(f"--seq-length {seq_length} is too short for a key of {key_length} tokens")
+        self.num_samples, self.seq_length, self.vocab_size = num_samples, seq_length, vocab_size
+        self.key_length, self.seed = key_length, seed
+
+    def __len__(self):
+        return self.num_samples
+
+    def sequence(self, idx: int) -> np.ndarray:
+        """The S+1 token ids of sample `idx`."""
+        rng = np.random.default_rng([self.seed, idx])
+        n, length = self.key_length, self.seq_length + 1
+        seq = rng.integers(FILLER_START, self.vocab_size, size=length)
+        key = rng.integers(KEY_IDS.start, KEY_IDS.stop, size=n)
+        at = int(rng.integers(0, self.seq_length // 4))
+        seq[at], seq[at + 1 : at + 1 + n] = KEY_START, key
+        seq[length - n - 1], seq[length - n :] = QUERY, key
+        return seq
+
+    def __getitem__(self, idx: int):
+        seq = torch.from_numpy(self.sequence(idx)).long()
+        loss_mask = torch.zeros(self.seq_length, dtype=torch.float32)
+        loss_mask[self.seq_length - self.key_length :] = 1.0  # the labels that are the key
+        return {"tokens": seq[:-1], "labels": seq[1:], "loss_mask": loss_mask,
+                "position_ids": torch.arange(self.seq_length)}
+
+
+def build_passkey_datasets(args, num_samples):
+    """Train, validation and test splits: disjoint seeds, Megatron's sample counts."""
+    return [PasskeyDataset(n, args.seq_length, args.vocab_size, args.passkey_length, seed=args.seed + 1000 * i)
+            if n > 0 else None for i, n in enumerate(num_samples)]
