@@ -1,0 +1,49 @@
+"""LoongTrain's 2D-attention cost model: properties that follow from its formulas."""
+import pytest
+
+from megatron.longseq.attention.cost_model import Cluster, Workload, evaluate, rank_plans
+from tools import plan_context_parallel
+
+MHA_128K = Workload(seq_length=131072, hidden=4096, heads=32, kv_heads=32)
+SLOW_NET = Cluster(gpus_per_node=8, nics_per_node=4, intra_gbps=300, nic_gbps=5, attention_tflops=300)
+
+
+def test_pure_head_parallel_has_no_ring_traffic_and_pure_ring_no_alltoall():
+    uly = evaluate(MHA_128K, SLOW_NET, hp=32, ring=1, inner=1, placement="head-first")
+    assert not uly.p2p_inner_crosses_nodes and not uly.p2p_outer_crosses_nodes and uly.t_alltoall > 0
+    ring = evaluate(MHA_128K, SLOW_NET, hp=1, ring=32, inner=32, placement="head-first")
+    assert ring.t_alltoall == 0 and ring.p2p_inner_crosses_nodes
+
+
+def test_placement_decides_which_traffic_stays_in_the_node():
+    # 16 GPUs = 2 nodes, hp 2 x ring 8. Context-first: a ring fits a node; head-first: hp pairs do.
+    cf = evaluate(MHA_128K, SLOW_NET, hp=2, ring=8, inner=8, placement="context-first")
+    hf = evaluate(MHA_128K, SLOW_NET, hp=2, ring=8, inner=8, placement="head-first")
+    assert not cf.p2p_inner_crosses_nodes and hf.p2p_inner_crosses_nodes
+    assert cf.t_alltoall > hf.t_alltoall  # context-first pays for it in the all-to-all
+
+
+def test_when_communication_bound_the_planner_leaves_the_plain_ring():
+    # Short sequence, slow network: ring steps are communication-bound, so the best layout has
+    # head parallelism (smaller rings), as LoongTrain observes for MHA at 128K on 64 GPUs.
+    work = Workload(seq_length=32768, hidden=4096, heads=32, kv_heads=32)
+    plans = rank_plans(work, SLOW_NET, d_sp=64)
+    best, plain = plans[0], [p for p in plans if p.hp == 1 and p.inner == 64][0]
+    assert best.hp > 1 and best.total < plain.total
+
+
+def test_gqa_kv_replication_only_beyond_kv_heads():
+    gqa = Workload(seq_length=65536, hidden=4096, heads=32, kv_heads=8)
+    a = evaluate(gqa, SLOW_NET, hp=8, ring=2, inner=2, placement="head-first")
+    b = evaluate(gqa, SLOW_NET, hp=16, ring=1, inner=1, placement="head-first")  # replicated to 16
+    assert a.t_alltoall < b.t_alltoall
+    assert all(p.hp in (1, 2, 4, 8, 16, 32) for p in rank_plans(gqa, SLOW_NET, d_sp=32))
+
+
+def test_cli_prints_a_ranked_table(capsys):
+    plan_context_parallel.main("--seq-length 65536 --hidden-size 4096 --num-attention-heads 32 "
+                               "--num-query-groups 8 --context-parallel-size 16 --top 5".split())
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].split()[:4] == ["rank", "hp", "ring", "inner"] and len(out) == 2 + 5
+    totals = [float(line.split()[7]) for line in out[2:]]
+    assert totals == sorted(totals)
