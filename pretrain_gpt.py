@@ -10,6 +10,7 @@ from functools import partial
 
 import torch
 
+import megatron.longseq  # noqa: F401  (first: it quiets megatron-core's import-time fallback warnings)
 from megatron.core import parallel_state as mpu
 from megatron.longseq.attention.core import AttentionInputs
 from megatron.training.data import build_datasets, to_device
