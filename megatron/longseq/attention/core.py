@@ -25,6 +25,7 @@ from megatron.longseq.attention.kernels import AttentionKernel, default_scale, s
 from megatron.longseq.attention.ledger import LEDGER
 from megatron.longseq.attention.placement import split_heads
 from megatron.longseq.attention.ring import ring_attention
+from megatron.longseq.attention.segments import SegmentSlot
 from megatron.longseq.attention.rope import RotaryEmbedding
 from megatron.longseq.random import checkpoint, current_region, get_rng_tracker
 
@@ -36,6 +37,7 @@ class AttentionInputs(PackedSeqParams):
     ordinary (unpacked) batch, so nothing else on the way looks at it."""
 
     position_ids: Optional[torch.Tensor] = None  # [b, s] true positions of this rank's tokens
+    segment: Optional[SegmentSlot] = None  # Seq1F1B: which segment of which micro-batch this is
 
     def __post_init__(self):
         if self.qkv_format is None:
@@ -73,23 +75,25 @@ class LongSeqCoreAttention(MegatronModule):
         if self.rope is not None:
             positions = positions_of(packed_seq_params, query)
             query, key = self.rope(query, positions), self.rope(key, positions)
+        segment = packed_seq_params.segment if isinstance(packed_seq_params, AttentionInputs) else None
         with LEDGER.scope(self.layer_number):
             if self.recompute and self.training:
-                return checkpoint(self._attend, query, key, value, attention_mask)
-            return self._attend(query, key, value, attention_mask)
+                return checkpoint(self._attend, query, key, value, attention_mask, segment)
+            return self._attend(query, key, value, attention_mask, segment)
 
-    def _attend(self, query, key, value, attention_mask):
+    def _attend(self, query, key, value, attention_mask, segment=None):
         sq, b = query.shape[:2]
         dropout = self.dropout_p if self.training else 0.0
         if attention_mask is not None or dropout > 0.0:
-            if self.cp.size > 1:
-                raise ValueError("attention dropout and document masks need --context-parallel-size 1")
+            if self.cp.size > 1 or segment is not None:
+                raise ValueError("attention dropout and document masks need --context-parallel-size 1 "
+                                 "and --pipe-sp-splits 1")
             out = self._sdpa(*(x.permute(1, 2, 0, 3) for x in (query, key, value)), attention_mask, dropout)
             return out.permute(2, 0, 1, 3).reshape(sq, b, -1)  # [b, h, s, d] -> [s, b, h*d]
-        out = self._two_d(query, key, value)
+        out = self._two_d(query, key, value, segment)
         return out.reshape(sq, b, -1)  # [s, b, h, d] -> [s, b, h*d]
 
-    def _two_d(self, query, key, value):
+    def _two_d(self, query, key, value, segment):
         """LoongTrain Algorithm 1 on [s, b, h, d] tensors; returns [s_local, b, h, d]."""
         cp, layer = self.cp, self.layer_number
         split = split_heads(query.shape[2], key.shape[2], cp.hp_size)
@@ -100,16 +104,17 @@ class LongSeqCoreAttention(MegatronModule):
         k = seq_all_to_all(key, cp.hp_group, split.kv_counts, cp.hp_index, True, layer)
         v = seq_all_to_all(value, cp.hp_group, split.kv_counts, cp.hp_index, True, layer)
         # [s, b, h, d] -> [b, h, s, d] views for the kernels
-        out = self._ring(*(x.permute(1, 2, 0, 3) for x in (q, k, v)))
+        out = self._ring(*(x.permute(1, 2, 0, 3) for x in (q, k, v)), segment)
         # [b, h/hp, s, d] -> [s, b, h/hp, d] -> [s/hp, b, h, d]
         return seq_all_to_all(out.permute(2, 0, 1, 3), cp.hp_group, split.q_counts, cp.hp_index, False, layer)
 
-    def _ring(self, q, k, v):
+    def _ring(self, q, k, v, segment):
         """Double-Ring-Attention, with Selective Checkpoint++: inside a full-recompute region the
         forward keeps (out, lse) and the recompute reuses them instead of attending again."""
         region = current_region() if self.keep_attention else None
         cached = region.kept.pop(0) if region is not None and region.phase == "recompute" else None
-        out, lse = ring_attention(q, k, v, self.cp.ring, self.kernel_for(q), self.scale, self.layer_number, cached)
+        out, lse = ring_attention(q, k, v, self.cp.ring, self.kernel_for(q), self.scale, self.layer_number,
+                                  cached, segment)
         if region is not None and region.phase == "forward":
             region.kept.append((out.detach(), lse.detach()))
         return out

@@ -35,6 +35,16 @@ def local_token_indices(seq_len: int, hp: int, ring: int, hp_index: int, ring_in
     return tokens[hp_index * per_rank : (hp_index + 1) * per_rank]
 
 
+def segmented_token_indices(lengths: List[int], hp: int, ring: int, hp_index: int, ring_index: int) -> torch.Tensor:
+    """With Seq1F1B segments every segment is placed on its own (each needs the whole ring), so a
+    rank holds its share of segment 0, then of segment 1, ... One segment: local_token_indices."""
+    pieces, offset = [], 0
+    for n in lengths:
+        pieces.append(offset + local_token_indices(n, hp, ring, hp_index, ring_index))
+        offset += n
+    return torch.cat(pieces)
+
+
 class RankTokens(torch.utils.data.Dataset):
     """A GPT dataset seen by one context-parallel rank: every per-token tensor of a sample
     ([s] tokens, labels, loss mask, position ids) reduced to this rank's indices, in order."""

@@ -22,10 +22,14 @@ import torch
 from megatron.longseq.attention.comm import RingComm
 from megatron.longseq.attention.kernels import AttentionKernel
 
-CAUSAL, KV_FIRST, Q_SECOND = "causal", "kv-first", "q-second"
+CAUSAL, KV_FIRST, Q_SECOND, FULL = "causal", "kv-first", "q-second", "full"
 
 
-def step_plan(j: int, src: int) -> str:
+def step_plan(j: int, src: int, causal: bool = True) -> str:
+    """What this rank's queries see of ring position src's block. Not causal: the block belongs
+    to an earlier Seq1F1B segment, wholly in the past."""
+    if not causal:
+        return FULL
     if src == j:
         return CAUSAL
     return KV_FIRST if src < j else Q_SECOND
@@ -63,8 +67,8 @@ def _halves(x: torch.Tensor):
 def block_forward(q, kv, plan, kernel: AttentionKernel, scale):
     """(out, lse) of the queries this block touches (all, or the second half)."""
     k, v = kv[0], kv[1]
-    if plan == CAUSAL:
-        return kernel.forward(q, k, v, True, scale)
+    if plan in (CAUSAL, FULL):
+        return kernel.forward(q, k, v, plan == CAUSAL, scale)
     if plan == KV_FIRST:
         return kernel.forward(q, _halves(k)[0], _halves(v)[0], False, scale)
     return kernel.forward(_halves(q)[1], k, v, False, scale)
@@ -89,8 +93,8 @@ def merge(out, lse, block_out, block_lse, rows):
 def block_backward(dout, q, kv, out, lse, plan, kernel: AttentionKernel, scale, dq, dkv):
     """Add this block's dq (fp32, in place) and return its dK/dV as [2, b, g, s, d] fp32."""
     k, v = kv[0], kv[1]
-    if plan == CAUSAL:
-        dq_b, dk_b, dv_b = kernel.backward(dout, q, k, v, out, lse, True, scale)
+    if plan in (CAUSAL, FULL):
+        dq_b, dk_b, dv_b = kernel.backward(dout, q, k, v, out, lse, plan == CAUSAL, scale)
         dq += dq_b
         return torch.stack([dk_b, dv_b]).float()
     if plan == KV_FIRST:
@@ -109,39 +113,40 @@ def block_backward(dout, q, kv, out, lse, plan, kernel: AttentionKernel, scale, 
 
 # ---- the double ring -------------------------------------------------------------------------------
 
-def ring_forward(q, k, v, rc: RingContext, kernel, scale, layer=None):
-    """q [b, h, s, d], k/v [b, g, s, d] (local chunks) -> out (q's dtype), lse fp32 [b, h, s]."""
-    if rc.size == 1:  # no ring: the local causal kernel, nothing to merge
-        return kernel.forward(q, k, v, True, scale)
+def ring_forward(q, k, v, rc: RingContext, kernel, scale, layer=None, causal=True, out=None, lse=None):
+    """Merge this rank's queries q [b, h, s, d] against every ring position's k/v [b, g, s, d]
+    into the accumulators (out, lse) -- None to start; the first block must be the causal diagonal
+    or a full block. Returns (out, lse): fp32 once two blocks were merged, lse always fp32."""
+    if rc.size == 1:  # no ring: one kernel call
+        block_out, block_lse = kernel.forward(q, k, v, causal, scale)
+        return merge(out, lse, block_out, block_lse, "all")
     kv = torch.stack([k, v])  # [2, b, g, s, d]: one message per step
-    out = lse = None
     for o in range(rc.outer_size):
         outer = rc.outer.send_recv(kv, layer, "fwd") if o + 1 < rc.outer_size else None
         cur = kv
         for t in range(rc.inner_size):
             inner = rc.inner.send_recv(cur, layer, "fwd") if t + 1 < rc.inner_size else None
-            plan = step_plan(rc.ring_index, rc.source(o, t))
+            plan = step_plan(rc.ring_index, rc.source(o, t), causal)
             block_out, block_lse = block_forward(q, cur, plan, kernel, scale)
             out, lse = merge(out, lse, block_out, block_lse, "second" if plan == Q_SECOND else "all")
             if inner is not None:
                 cur = inner.wait()
         if outer is not None:
             kv = outer.wait()
-    return out.to(q.dtype), lse
+    return out, lse
 
 
-def ring_backward(dout, q, k, v, out, lse, rc: RingContext, kernel, scale, layer=None):
-    if rc.size == 1:
-        return kernel.backward(dout, q, k, v, out, lse, True, scale)
+def ring_backward(dout, q, k, v, out, lse, rc: RingContext, kernel, scale, layer=None, causal=True, dq=None):
+    """Add this rank's dq (fp32 accumulator `dq`) over every ring block; return dK/dV of this
+    rank's own k/v block as [2, b, g, s, d] fp32 (accumulated over all ranks' queries)."""
     kv = torch.stack([k, v])
-    dq = torch.zeros_like(q, dtype=torch.float32)
     acc = torch.zeros_like(kv, dtype=torch.float32)  # dK/dV of the outer step's first block
     for o in range(rc.outer_size):
         outer = rc.outer.send_recv(kv, layer, "bwd") if o + 1 < rc.outer_size else None
         cur, pending_acc = kv, None
         for t in range(rc.inner_size):
             inner = rc.inner.send_recv(cur, layer, "bwd") if t + 1 < rc.inner_size else None
-            plan = step_plan(rc.ring_index, rc.source(o, t))
+            plan = step_plan(rc.ring_index, rc.source(o, t), causal)
             block = block_backward(dout, q, cur, out, lse, plan, kernel, scale, dq, acc)
             if pending_acc is not None:  # the block's accumulator, from the previous holder
                 acc = pending_acc.wait()
@@ -157,26 +162,51 @@ def ring_backward(dout, q, k, v, out, lse, rc: RingContext, kernel, scale, layer
         if outer is not None:
             kv = outer.wait()
     # After the last outer step the accumulator in hand is this rank's own block's.
-    return dq.to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype)
+    return acc
 
 
 class _RingAttention(torch.autograd.Function):
+    """Causal ring attention over this segment's keys, plus full attention over the cached keys
+    and values of the micro-batch's earlier Seq1F1B segments (`segment`, or None)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, rc, kernel, scale, layer, cached):
-        out, lse = cached if cached is not None else ring_forward(q, k, v, rc, kernel, scale, layer)
+    def forward(ctx, q, k, v, rc, kernel, scale, layer, cached, segment):
+        prefix = segment.prefix(layer) if segment is not None else []
+        if cached is not None:
+            out, lse = cached
+        else:
+            out, lse = ring_forward(q, k, v, rc, kernel, scale, layer)
+            for k_j, v_j in prefix:
+                out, lse = ring_forward(q, k_j, v_j, rc, kernel, scale, layer, False, out, lse)
+            out = out.to(q.dtype)
+        if segment is not None:
+            segment.keep(layer, k.detach(), v.detach())
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (rc, kernel, scale, layer)
+        ctx.args = (rc, kernel, scale, layer, segment)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None
+        rc, kernel, scale, layer, segment = ctx.args
+        dout = dout.contiguous()
+        if rc.size == 1 and segment is None:  # local attention: the kernel's backward as is
+            dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, True, scale)
+            return dq, dk, dv, None, None, None, None, None, None
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        dkv = ring_backward(dout, q, k, v, out, lse, rc, kernel, scale, layer, True, dq)
+        if segment is not None:
+            for j, (k_j, v_j) in enumerate(segment.prefix(layer)):
+                segment.add_grad(layer, j, ring_backward(dout, q, k_j, v_j, out, lse, rc, kernel, scale, layer, False, dq))
+            later = segment.take_grad(layer)  # what later segments sent back to this one
+            if later is not None:
+                dkv = dkv + later
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
 
 
-def ring_attention(q, k, v, rc: RingContext, kernel, scale, layer=None, cached=None):
-    """(out, lse) of causal attention of this rank's queries over the whole ring's keys.
-    `cached` = (out, lse) from an earlier forward skips the computation (Selective Checkpoint++)."""
-    return _RingAttention.apply(q, k, v, rc, kernel, scale, layer, cached)
+def ring_attention(q, k, v, rc: RingContext, kernel, scale, layer=None, cached=None, segment=None):
+    """(out, lse) of causal attention of this rank's queries over the whole ring's keys (and the
+    earlier segments' keys). `cached` = (out, lse) from an earlier forward skips the computation
+    (Selective Checkpoint++)."""
+    return _RingAttention.apply(q, k, v, rc, kernel, scale, layer, cached, segment)

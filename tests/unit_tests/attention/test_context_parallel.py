@@ -8,7 +8,8 @@ import torch.distributed as dist
 from megatron.longseq.attention.context_parallel import ContextParallel
 from megatron.longseq.attention.core import AttentionInputs, LongSeqCoreAttention
 from megatron.longseq.attention.ledger import LEDGER
-from megatron.longseq.attention.placement import local_token_indices
+from megatron.longseq.attention.placement import local_token_indices, segmented_token_indices
+from megatron.longseq.attention.segments import SegmentSlot, SegmentState
 from megatron.longseq.random import checkpoint
 from tests.unit_tests.attention.test_core_attention import config, reference
 from tests.unit_tests.dist_utils import grid_groups, run_ranks
@@ -150,3 +151,42 @@ def _selective_checkpoint_pp():
 
 def test_selective_checkpoint_pp_keeps_attention_and_skips_its_recompute():
     run_ranks(_selective_checkpoint_pp, 4)
+
+
+def _segments_match_whole_sequence(hp, ring, lengths):
+    """Seq1F1B segments: forward in order (each its own graph), backward last segment first; the
+    outputs and gradients of every token equal whole-sequence attention."""
+    pgs = grid_groups(cp=hp * ring, hp=hp)
+    heads, groups = 4, 2
+    (q, k, v, dout, positions), (ref, dq, dk, dv) = full_problem(heads, groups)
+    cp = ContextParallel.from_process_groups(pgs)
+    attn = LongSeqCoreAttention(config(heads, groups, d=D), layer_number=1, attn_mask_type=None, cp=cp)
+    state, runs, offset = SegmentState(), [], 0
+    for s, n in enumerate(lengths):
+        idx = offset + local_token_indices(n, cp.hp_size, cp.ring.size, cp.hp_index, cp.ring.ring_index)
+        offset += n
+        leaves = [x[idx].clone().requires_grad_() for x in (q, k, v)]
+        params = AttentionInputs(position_ids=positions[:, idx], segment=SegmentSlot(state, s))
+        runs.append((idx, leaves, attn(*leaves, None, packed_seq_params=params)))
+    for idx, leaves, out in reversed(runs):  # LIFO: later segments first
+        out.backward(dout[idx])
+    for idx, leaves, out in runs:
+        torch.testing.assert_close(out.detach().double(), ref[idx], atol=ATOL_OUT, rtol=0)
+        for got, want in zip((x.grad for x in leaves), (dq, dk, dv)):
+            torch.testing.assert_close(got.double(), want[idx], atol=ATOL_GRAD, rtol=0)
+    assert not state.kv and not state.grads  # released after segment 0's backward
+    all_idx = torch.cat([r[0] for r in runs])
+    assert torch.equal(all_idx, segmented_token_indices(lengths, cp.hp_size, cp.ring.size, cp.hp_index,
+                                                        cp.ring.ring_index))
+
+
+def _all_segment_cases(world):
+    for hp, ring in {1: [(1, 1)], 2: [(1, 2)], 4: [(2, 2), (1, 4)]}[world]:
+        for lengths in ([32], [16, 16], [16, 8, 8], [8, 8, 8, 8]):
+            if all(n % (2 * hp * ring) == 0 for n in lengths):
+                _segments_match_whole_sequence(hp, ring, lengths)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_seq1f1b_segments_give_whole_sequence_attention_and_gradients(world):
+    run_ranks(_all_segment_cases, world, world)
