@@ -14,19 +14,23 @@ import megatron.longseq  # noqa: F401  (first: it quiets megatron-core's import-
 from megatron.core import parallel_state as mpu
 from megatron.longseq.attention.core import AttentionInputs
 from megatron.training.data import build_datasets, to_device
-from megatron.training.model import build_gpt_model
+from megatron.training.model import build_model_chunks
 from megatron.training.training import pretrain, run_main
 
 
-def model_provider(args, pgs, device, pre_process=True, post_process=True):
-    return build_gpt_model(args, pgs, device, pre_process=pre_process, post_process=post_process)
+def model_provider(args, pgs, device):
+    """This rank's model chunks (one per virtual pipeline stage)."""
+    return build_model_chunks(args, pgs, device)
 
 
 def get_batch(data_iterator, device):
-    """tokens, labels, loss_mask, attention_mask (document masks only), position_ids."""
-    batch = to_device(next(data_iterator), device)
+    """tokens, labels, loss_mask, attention_mask (document masks only), position_ids, and the
+    Seq1F1B segment slot (None without segments)."""
+    batch = next(data_iterator)
+    segment = batch.pop("segment", None)
+    batch = to_device(batch, device)
     mask = batch.get("attention_mask")
-    return batch["tokens"], batch["labels"], batch["loss_mask"], mask, batch["position_ids"]
+    return batch["tokens"], batch["labels"], batch["loss_mask"], mask, batch["position_ids"], segment
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -50,9 +54,9 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 def forward_step(data_iterator, model):
     device = next(model.parameters()).device
-    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, device)
+    tokens, labels, loss_mask, attention_mask, position_ids, segment = get_batch(data_iterator, device)
     output = model(tokens, position_ids, attention_mask, labels=labels,
-                   packed_seq_params=AttentionInputs(position_ids=position_ids))
+                   packed_seq_params=AttentionInputs(position_ids=position_ids, segment=segment))
     return output, partial(loss_func, loss_mask)
 
 

@@ -172,6 +172,7 @@ class ProcessGroups:
     rank: int
     groups: Dict[str, object] = field(default_factory=dict)
     members: Dict[str, List[int]] = field(default_factory=dict)
+    links: Dict[Tuple[str, int, int], object] = field(default_factory=dict)
 
     def __getattr__(self, name):
         groups = self.__dict__.get("groups", {})
@@ -212,7 +213,36 @@ def build_process_groups(grid: RankGrid) -> ProcessGroups:
             if rank in members:
                 pgs.groups[name], pgs.members[name] = handle, members
     _check_against_megatron(pgs, mpu)
+    _build_pipeline_links(grid, pgs, rank)
     return pgs
+
+
+def pipeline_links(grid: RankGrid) -> List[Tuple[str, int, int]]:
+    """Directional pipeline links (purpose, sender, receiver) in creation order: activations flow
+    from stage i to i+1 (and from the last back to the first for interleaving), gradients the other
+    way. Each gets its own group, so each group carries one direction of one kind of message."""
+    links = []
+    for members in grid.groups_along(("pp",)):
+        p = len(members)
+        for i in range(p if p > 1 else 0):
+            nxt = members[(i + 1) % p]
+            links.append(("act", members[i], nxt))
+            links.append(("grad", nxt, members[i]))
+    return links
+
+
+def _build_pipeline_links(grid: RankGrid, pgs: ProcessGroups, rank: int) -> None:
+    pgs.links = {}
+    for purpose, src, dst in pipeline_links(grid):
+        handle = dist.new_group([src, dst]) if src != dst else None
+        if rank in (src, dst):
+            pgs.links[(purpose, src, dst)] = handle
+    # The embedding group: first and last stage of each pipeline (tied word embeddings).
+    for members in grid.groups_along(("pp",)):
+        ends = sorted({members[0], members[-1]})
+        handle = dist.new_group(ends) if len(ends) > 1 else None
+        if rank in ends:
+            pgs.groups["embd"], pgs.members["embd"] = handle, ends
 
 
 def _check_against_megatron(pgs: ProcessGroups, mpu) -> None:

@@ -29,7 +29,6 @@ UNSUPPORTED = {
     "--tp-comm-overlap": "TP communication overlap needs Transformer Engine userbuffers; not implemented",
     "--train-samples": "sample-based training is not implemented; use --train-iters",
     "--overlap-param-gather": "param all-gather overlap is not implemented (--overlap-grad-reduce is)",
-    "--num-layers-per-virtual-pipeline-stage": "interleaved pipelining is not implemented yet",
 }
 
 # Flags a Megatron launch script passes that change nothing here (fusions we do not have, or
@@ -80,6 +79,12 @@ def _parallel(p):
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="interleaved schedule: layers per model chunk")
+    g.add_argument("--pipe-sp-splits", type=int, default=1,
+                   help="Seq1F1B: sequence segments per micro-batch (1 = 1F1B)")
+    g.add_argument("--pipe-sp-strategy", choices=["average", "uniform_comp"], default="average",
+                   help="Seq1F1B segment lengths: equal, or equal FLOPs (Seq1F1B Eq. 7-8)")
     g.add_argument("--context-parallel-size", type=int, default=1)
     g.add_argument("--cp-comm-type", nargs="+", choices=["p2p", "a2a", "a2a+p2p"], default=["p2p"],
                    help="p2p: ring attention; a2a: Ulysses; a2a+p2p: 2D attention (one value: all layers)")

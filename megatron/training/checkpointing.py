@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.longseq.random import load_rng_state_dict, rng_state_dict
+from megatron.training.model import unwrap
 
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0
@@ -67,9 +68,16 @@ def _atomic_write_text(path: str, text: str) -> None:
     _fsync_dir(os.path.dirname(path) or ".")
 
 
-def _model_state(model) -> dict:
+def _model_keys(chunks) -> list:
+    """Megatron's names: "model", or "model0", "model1", ... for virtual pipeline chunks."""
+    return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+
+
+def _model_states(chunks) -> dict:
     # Clone: parameters are views of the flat DDP buffer; the file should hold each tensor alone.
-    return {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in model.state_dict().items()}
+    # Unwrapped (no bf16 wrapper prefix), as Megatron saves.
+    return {key: {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in model.state_dict().items()}
+            for key, model in zip(_model_keys(chunks), unwrap(chunks))}
 
 
 def save_checkpoint(args, state, pgs) -> str:
@@ -113,7 +121,7 @@ def _main_file(args, state, sharded: bool) -> dict:
         "checkpoint_version": CHECKPOINT_VERSION,
         "args": {k: getattr(args, k) for k in MUST_MATCH},
         "iteration": state.iteration,
-        "model": _model_state(state.model),
+        **_model_states(state.model),
         "opt_param_scheduler": state.scheduler.state_dict(),
         "consumed_train_samples": state.consumed_train_samples,
         "consumed_valid_samples": state.consumed_valid_samples,
@@ -144,7 +152,8 @@ def load_checkpoint(args, state, pgs) -> bool:
     rank_dir = os.path.join(iteration_dir(args.load, iteration), rank_dir_name(pgs))
     obj = torch.load(os.path.join(rank_dir, "model_optim_rng.pt"), map_location="cpu", weights_only=False)
     _check_args(obj["args"], args)
-    state.model.load_state_dict(obj["model"], strict=True)
+    for key, model in zip(_model_keys(state.model), unwrap(state.model)):
+        model.load_state_dict(obj[key], strict=True)
     state.optimizer.reload_model_params()
     if not args.no_load_optim:
         sharded = state.optimizer.buffer.shards > 1

@@ -13,7 +13,7 @@ import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.utils import get_blend_from_list
-from megatron.longseq.attention.placement import RankTokens, local_token_indices
+from megatron.longseq.attention.placement import RankTokens, segmented_token_indices
 from megatron.training.passkey import build_passkey_datasets
 
 
@@ -67,9 +67,9 @@ class PretrainingSampler:
 def build_loader(dataset, consumed_samples: int, args, pgs) -> Optional[Iterator]:
     if dataset is None or len(dataset) == 0:
         return None
-    if pgs.size("cp") > 1:  # this rank's tokens only, in its attention mode's order
-        dataset = RankTokens(dataset, local_token_indices(
-            args.seq_length, pgs.size("hp"), pgs.size("ring"), pgs.index("hp"), pgs.index("ring")))
+    if pgs.size("cp") > 1:  # this rank's tokens only, in its attention mode's order, per segment
+        dataset = RankTokens(dataset, segmented_token_indices(
+            args.segment_lengths, pgs.size("hp"), pgs.size("ring"), pgs.index("hp"), pgs.index("ring")))
     dp_rank, dp_size = pgs.index("dp"), pgs.size("dp")
     sampler = PretrainingSampler(len(dataset), consumed_samples, args.micro_batch_size, dp_rank, dp_size)
     # The loader draws its workers' base seed when an iterator is made; from its own generator,

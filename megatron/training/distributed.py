@@ -48,8 +48,11 @@ class GradBuffer:
     """Flat param/grad storage for `params` and their data-parallel reduction."""
 
     def __init__(self, params: List[torch.nn.Parameter], dp_group, shard: bool, overlap: bool,
-                 bucket_elements: Optional[int] = None, average: bool = True):
+                 bucket_elements: Optional[int] = None, average: bool = True, deferred=()):
         self.dp_group = dp_group
+        # Parameters whose gradients are completed elsewhere first (tied embeddings across pipeline
+        # stages): their buckets are never launched early by the overlap hooks.
+        self.deferred = list(deferred)
         self.average = average  # mean over dp (per-micro-batch losses) or sum (per-token loss)
         self.dp_size = dist.get_world_size(dp_group)
         self.dp_rank = dist.get_rank(dp_group)
@@ -103,7 +106,7 @@ class GradBuffer:
         if self.overlap and self.sync_enabled:
             bucket = self.bucket_of[p]
             bucket.pending.discard(p)
-            if not bucket.pending:
+            if not bucket.pending and not any(self.bucket_of[d] is bucket for d in self.deferred):
                 self._reduce(bucket, async_op=True)
 
     @contextlib.contextmanager

@@ -1,6 +1,8 @@
 """megatron-core GPTModel from Megatron arguments, with our layer spec."""
 from __future__ import annotations
 
+from typing import List
+
 import torch
 import torch.nn.functional as F
 
@@ -12,6 +14,7 @@ from megatron.longseq.attention.context_parallel import ContextParallel
 from megatron.longseq.attention.spec import gpt_block_spec
 from megatron.longseq.config import LongSeqConfig
 from megatron.longseq.recompute import apply_full_recompute
+from megatron.training.init import initialize_parameters
 
 
 def transformer_config(args) -> LongSeqConfig:
@@ -32,15 +35,16 @@ def transformer_config(args) -> LongSeqConfig:
         init_method_std=args.init_method_std,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_chunks if args.virtual_pipeline_chunks > 1 else None,
         context_parallel_size=args.context_parallel_size,
         sequence_parallel=args.sequence_parallel,
         bf16=args.bf16,
         params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
         pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float32,
-        # Initialise the full weights on CPU from one seed and split them: every tp size starts
-        # from the same model, which is what makes runs of different layouts comparable.
+        # Parameters are allocated on CPU and initialised by init.py (the same model for every
+        # layout), not by megatron-core.
         use_cpu_initialization=True,
-        perform_initialization=True,
+        perform_initialization=False,
         deterministic_mode=args.deterministic_mode,
         attention_backend=AttnBackend[args.attention_backend],
         calculate_per_token_loss=args.calculate_per_token_loss,
@@ -59,29 +63,50 @@ def transformer_config(args) -> LongSeqConfig:
     )
 
 
-def build_gpt_model(args, pgs, device: torch.device, pre_process: bool = True, post_process: bool = True):
-    """GPTModel on `device`; bf16 models come wrapped in megatron-core's Float16Module."""
+def build_model_chunks(args, pgs, device: torch.device) -> List[torch.nn.Module]:
+    """This rank's model chunks: one per virtual pipeline stage (one without interleaving), each
+    a GPTModel with its share of the layers; bf16 chunks wrapped in megatron-core's Float16Module."""
     config = transformer_config(args)
-    num_layers = args.num_layers // args.pipeline_model_parallel_size
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=gpt_block_spec(config, num_layers, args.transformer_impl,
-                                              ContextParallel.from_process_groups(pgs)),
-        vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
-        parallel_output=True,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        # RoPE is applied inside our core attention from position ids; GPTModel adds nothing.
-        position_embedding_type="learned_absolute" if args.position_embedding_type == "learned_absolute" else "none",
-        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
-    )
-    if args.recompute_granularity == "full":
-        apply_full_recompute(model.decoder.layers, args.recompute_method, args.recompute_num_layers)
-    model.to(device)
-    return Float16Module(config, model) if args.bf16 else model
+    p, v, stage = args.pipeline_model_parallel_size, args.virtual_pipeline_chunks, pgs.index("pp")
+    per_chunk = args.num_layers // (p * v)
+    cp = ContextParallel.from_process_groups(pgs)
+    # embd=None: megatron-core's tied-embedding sync needs CUDA; init.py gives both copies the same
+    # values and finalize_model_grads keeps their gradients summed.
+    groups = ProcessGroupCollection(tp=pgs.tp, cp=pgs.cp, pp=pgs.pp, embd=None)
+    chunks = []
+    for c in range(v):
+        vs = c * p + stage
+        chunks.append(GPTModel(
+            config=config,
+            transformer_layer_spec=gpt_block_spec(config, per_chunk, args.transformer_impl, cp),
+            vocab_size=args.padded_vocab_size,
+            max_sequence_length=args.max_position_embeddings,
+            pre_process=vs == 0,
+            post_process=vs == p * v - 1,
+            parallel_output=True,
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            # RoPE is applied inside our core attention from position ids; GPTModel adds nothing.
+            position_embedding_type="learned_absolute" if args.position_embedding_type == "learned_absolute" else "none",
+            pg_collection=groups,
+            vp_stage=c if v > 1 else None,
+        ))
+    initialize_parameters(chunks, args.seed, args.init_method_std, args.num_layers, pgs.index("tp"), pgs.size("tp"))
+    for model in chunks:
+        if args.recompute_granularity == "full":
+            apply_full_recompute(model.decoder.layers, args.recompute_method, args.recompute_num_layers)
+        model.to(device)
+    return [Float16Module(config, m) if args.bf16 else m for m in chunks]
+
+
+def build_gpt_model(args, pgs, device: torch.device):
+    """The whole model on one pipeline stage (no pipelining)."""
+    chunks = build_model_chunks(args, pgs, device)
+    if len(chunks) != 1:
+        raise ValueError("build_gpt_model builds one stage; use build_model_chunks with pipelining")
+    return chunks[0]
 
 
 def unwrap(model):
+    if isinstance(model, list):
+        return [unwrap(m) for m in model]
     return model.module if isinstance(model, Float16Module) else model

@@ -45,7 +45,8 @@ class DistributedAdam:
         for p, start, end in buffer.param_fragments():
             main = self.main_data[start:end]
             main.grad = buffer.grad_data[start:end]
-            counted = getattr(p, "tensor_model_parallel", False) or tp_rank == 0
+            # Counted once: tp replicas only on tp rank 0, the tied embedding only on the first stage.
+            counted = (getattr(p, "tensor_model_parallel", False) or tp_rank == 0) and not getattr(p, "shared", False)
             self.fragments.append(Fragment(main, counted))
             groups[not no_weight_decay(names[p], p)].append(main)
         # wd_mult is what megatron-core's LR scheduler multiplies the weight decay by.

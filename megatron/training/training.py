@@ -7,7 +7,7 @@ import sys
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -15,7 +15,7 @@ import torch.distributed as dist
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.utils import get_model_config
 from megatron.longseq.attention.ledger import LEDGER
-from megatron.longseq.pipeline.schedules import forward_backward_no_pipelining
+from megatron.longseq.pipeline.seq1f1b import Pipeline, forward_backward_seq1f1b
 from megatron.training.arguments import ArgsError, parse_args
 from megatron.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron.training.data import build_loader, train_valid_test_num_samples
@@ -34,9 +34,10 @@ from megatron.training.validate import padded_vocab_size, validate_args, world_s
 
 @dataclass
 class TrainState:
-    model: torch.nn.Module  # as called (bf16 wrapper included)
+    model: List[torch.nn.Module]  # this rank's chunks, as called (bf16 wrappers included)
     optimizer: DistributedAdam
     scheduler: OptimizerParamScheduler
+    pipeline: Pipeline
     iteration: int = 0
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0
@@ -81,6 +82,12 @@ def build_scheduler(args, optimizer) -> OptimizerParamScheduler:
 
 def finalize_model_grads(buffer: GradBuffer, pgs, model_chunks, num_tokens: Optional[torch.Tensor]) -> None:
     """After the last backward of an iteration (megatron-core's finalize_model_grads contract)."""
+    if pgs.size("pp") > 1:
+        # Tied embeddings: the first stage's word embedding and the last stage's output layer are
+        # one parameter. Sum their gradients before the data-parallel reduction (their buckets
+        # wait for it), so both copies take the same step.
+        for p in buffer.deferred:
+            dist.all_reduce(p.main_grad, group=pgs.embd)
     buffer.finish_grad_sync()
     if pgs.size("tp") > 1:
         # Sequence parallel: norm weights saw only this rank's sequence shard.
@@ -89,21 +96,35 @@ def finalize_model_grads(buffer: GradBuffer, pgs, model_chunks, num_tokens: Opti
                 dist.all_reduce(p.main_grad, group=pgs.tp)
     if num_tokens is not None:  # --calculate-per-token-loss: divide by the global token count
         num_tokens = num_tokens.to(buffer.grad_data.device)
+        if pgs.size("pp") > 1:  # only the last stage computed losses
+            dist.broadcast(num_tokens, src=pgs.members["pp"][-1], group=pgs.pp)
         dist.all_reduce(num_tokens, group=pgs.dp_cp)
         buffer.grad_data.div_(num_tokens.clamp(min=1))
 
 
+def build_pipeline(args, pgs) -> Pipeline:
+    # per-rank tokens of each segment: the context-parallel share, and the tp shard under SP
+    div = pgs.size("cp") * (args.tensor_model_parallel_size if args.sequence_parallel else 1)
+    return Pipeline(size=pgs.size("pp"), rank=pgs.index("pp"), chunks=args.virtual_pipeline_chunks,
+                    segment_tokens=[n // div for n in args.segment_lengths], hidden=args.hidden_size,
+                    links=pgs.links, members=pgs.members["pp"])
+
+
 def setup(args, pgs, model_provider):
     device = device_of(args)
-    model = model_provider(args, pgs, device)
-    params = [p for p in model.parameters() if p.requires_grad]
+    chunks = model_provider(args, pgs, device)
+    chunks = chunks if isinstance(chunks, list) else [chunks]
+    params = [p for m in chunks for p in m.parameters() if p.requires_grad]
+    tied = [p for p in params if getattr(p, "shared_embedding", False)] if pgs.size("pp") > 1 else []
     buffer = GradBuffer(params, pgs.dp_cp, shard=args.use_distributed_optimizer, overlap=args.overlap_grad_reduce,
-                        bucket_elements=args.ddp_bucket_size, average=not args.calculate_per_token_loss)
-    optimizer = DistributedAdam(unwrap(model).named_parameters(), buffer, pgs, args)
-    config = get_model_config(model)
+                        bucket_elements=args.ddp_bucket_size, average=not args.calculate_per_token_loss,
+                        deferred=tied)
+    named = [item for m in unwrap(chunks) for item in m.named_parameters()]
+    optimizer = DistributedAdam(named, buffer, pgs, args)
+    config = get_model_config(chunks[0])
     config.no_sync_func = buffer.no_sync
     config.finalize_model_grads_func = partial(finalize_model_grads, buffer, pgs)
-    return TrainState(model, optimizer, build_scheduler(args, optimizer))
+    return TrainState(chunks, optimizer, build_scheduler(args, optimizer), build_pipeline(args, pgs))
 
 
 def reduce_reports(reports, pgs, device) -> Dict[str, float]:
@@ -121,10 +142,10 @@ def reduce_reports(reports, pgs, device) -> Dict[str, float]:
 def train_step(forward_step_func, data_iterator, state: TrainState, args, pgs, timers):
     state.optimizer.zero_grad()
     timers("forward-backward", 1).start()
-    reports = forward_backward_no_pipelining(
-        forward_step_func=forward_step_func, data_iterator=data_iterator, model=[state.model],
+    reports = forward_backward_seq1f1b(
+        forward_step_func=forward_step_func, data_iterator=data_iterator, model=state.model,
         num_microbatches=args.num_microbatches, seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size, forward_only=False,
+        micro_batch_size=args.micro_batch_size, forward_only=False, p2p_communicator=state.pipeline,
     )
     timers("forward-backward").stop()
     timers("optimizer", 1).start()
@@ -137,18 +158,23 @@ def train_step(forward_step_func, data_iterator, state: TrainState, args, pgs, t
     return losses, grad_norm, num_zeros
 
 
+def _train_mode(chunks, training: bool) -> None:
+    for m in chunks:
+        m.train(training)
+
+
 def evaluate(forward_step_func, data_iterator, state: TrainState, args, pgs, num_iters: int):
-    state.model.eval()
+    _train_mode(state.model, False)
     LEDGER.enabled = False  # the ledger reports training iterations
     totals = []
     with torch.no_grad():
         for _ in range(num_iters):
-            totals.extend(forward_backward_no_pipelining(
-                forward_step_func=forward_step_func, data_iterator=data_iterator, model=[state.model],
+            totals.extend(forward_backward_seq1f1b(
+                forward_step_func=forward_step_func, data_iterator=data_iterator, model=state.model,
                 num_microbatches=args.num_microbatches, seq_length=args.seq_length,
-                micro_batch_size=args.micro_batch_size, forward_only=True,
+                micro_batch_size=args.micro_batch_size, forward_only=True, p2p_communicator=state.pipeline,
             ))
-    state.model.train()
+    _train_mode(state.model, True)
     LEDGER.enabled = True
     return reduce_reports(totals, pgs, state.optimizer.main_data.device)
 
@@ -235,7 +261,7 @@ class _Reporter:
 def train(forward_step_func, train_iter, valid_iter, state: TrainState, args, pgs, timers, tb) -> bool:
     """The loop. Returns True when --exit-interval stopped it."""
     reporter = _Reporter(args, pgs, timers, tb)
-    state.model.train()
+    _train_mode(state.model, True)
     while state.iteration < args.train_iters:
         losses, grad_norm, num_zeros = train_step(forward_step_func, train_iter, state, args, pgs, timers)
         state.iteration += 1

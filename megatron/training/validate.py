@@ -10,6 +10,7 @@ import torch
 
 from megatron.longseq.attention.placement import split_heads
 from megatron.longseq.parallel_state import GridError, RankGrid
+from megatron.longseq.pipeline import partition, plan
 from megatron.training.arguments import ArgsError
 
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
@@ -40,6 +41,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _model_args(args)
     _parallel_args(args, world_size)
     _batch_args(args)
+    _pipeline_args(args)
     _schedule_args(args)
     _recompute_args(args)
     _data_args(args)
@@ -84,7 +86,6 @@ def _model_args(args):
 
 def _parallel_args(args, world_size):
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
-    _require(pp == 1, f"--pipeline-model-parallel-size {pp}: pipeline parallelism is not implemented yet; use 1")
     args.head_parallel_size, args.ring_size = _cp_split(args, cp)
     try:
         grid = RankGrid(world_size=world_size, tp=tp, pp=pp, cp=cp, hp=args.head_parallel_size,
@@ -162,6 +163,46 @@ def _batch_args(args):
              f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
              f"{mbs} x data-parallel size {dp} = {mbs * dp}")
     args.num_microbatches = args.global_batch_size // (mbs * dp)
+
+
+def _pipeline_args(args):
+    """Layers per stage and chunk, the Seq1F1B segment lengths, and what the schedule needs."""
+    p, L, k = args.pipeline_model_parallel_size, args.num_layers, args.pipe_sp_splits
+    v = 1
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        per = args.num_layers_per_virtual_pipeline_stage
+        _require(per > 0 and L % (p * per) == 0,
+                 f"--num-layers {L} is not divisible by --pipeline-model-parallel-size {p} x "
+                 f"--num-layers-per-virtual-pipeline-stage {per} = {p * per}")
+        v = L // (p * per)
+        _require(p > 1 or v == 1, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+    _require(L % (p * v) == 0, f"--num-layers {L} is not divisible by --pipeline-model-parallel-size {p}")
+    args.virtual_pipeline_chunks = v
+    try:
+        plan.check(p, args.num_microbatches, k, v)
+    except plan.ScheduleError as err:
+        raise ArgsError(f"{err} (micro-batches = global batch / (micro batch x dp) = {args.num_microbatches})") from None
+    granularity = 2 * args.context_parallel_size if args.context_parallel_size > 1 else 1
+    if args.sequence_parallel:
+        granularity *= args.tensor_model_parallel_size
+    try:
+        args.segment_lengths = partition.partition(args.seq_length, k, args.pipe_sp_strategy, granularity,
+                                                   num_parameters(args), L, args.hidden_size)
+    except partition.PartitionError as err:
+        raise ArgsError(str(err)) from None
+    if k > 1:
+        _require(args.attention_dropout == 0.0, "--attention-dropout must be 0 with --pipe-sp-splits > 1")
+        _require(not args.reset_attention_mask, "--reset-attention-mask is not supported with --pipe-sp-splits > 1")
+
+
+def num_parameters(args) -> int:
+    """Parameters of the whole model (Seq1F1B's P in Eq. 8)."""
+    h, q = args.hidden_size, args.kv_channels * args.num_attention_heads
+    kv = args.kv_channels * args.num_query_groups
+    mlp = h * args.ffn_hidden_size * (3 if args.swiglu else 2)
+    per_layer = h * (q + 2 * kv) + q * h + mlp
+    vocab = args.vocab_size or 0
+    return args.num_layers * per_layer + vocab * h * (1 if not args.untie_embeddings_and_output_weights else 2)
 
 
 def _schedule_args(args):

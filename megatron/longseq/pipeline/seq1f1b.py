@@ -1,0 +1,246 @@
+"""The Seq1F1B executor: runs this rank's schedule (plan.py) on its model chunks.
+
+Same contract as megatron-core's forward_backward_* functions (see schedules.py); the extra
+pipeline knowledge -- links, segment lengths, activation shape -- comes in `p2p_communicator`
+(a Pipeline). P = 1 and k = 1 is plain gradient accumulation: every layout runs this one path.
+
+Per micro-batch the executor pulls one batch, cuts it into the k segments (per-token tensors along
+the sequence) and gives each segment's forward a SegmentSlot (cross-segment attention state). The
+loss of a segment is scaled only when its backward runs -- by then the micro-batch's every segment
+has been forwarded, so it is divided by the token count of the whole sequence.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.utils import get_model_config
+from megatron.longseq.attention.segments import SegmentSlot, SegmentState
+from megatron.longseq.pipeline.p2p import Inbox, Outbox, sent_messages
+from megatron.longseq.pipeline.plan import Op, rank_schedule
+
+
+@dataclass
+class Pipeline:
+    """This rank's place in the pipeline (built by build_pipeline)."""
+
+    size: int  # P
+    rank: int  # stage index
+    chunks: int  # v
+    segment_tokens: List[int]  # this rank's tokens of each segment (after cp / sp division)
+    hidden: int  # activation width (per tp rank's sequence shard: [s, b, hidden])
+    links: Dict[tuple, object]
+    members: List[int]  # global ranks of the pipeline group, by stage
+    record_timeline: bool = False
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def splits(self) -> int:
+        return len(self.segment_tokens)
+
+
+class _ActivationMeter:
+    """Bytes autograd saves for backward, per operation (parameters excluded: they live in the
+    flat parameter buffer), and the peak of what is alive between a forward and its backward."""
+
+    def __init__(self, param_ptrs):
+        self.param_ptrs, self.live, self.peak, self.of = param_ptrs, 0, 0, {}
+
+    @contextlib.contextmanager
+    def forward(self, key):
+        seen = set()
+
+        def pack(t):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in self.param_ptrs and ptr not in seen:
+                seen.add(ptr)
+                self.of[key] = self.of.get(key, 0) + t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+        self.live += self.of.get(key, 0)
+        self.peak = max(self.peak, self.live)
+
+    def backward_done(self, key):
+        self.live -= self.of.pop(key, 0)
+
+
+class _Runner:
+    def __init__(self, forward_step_func, data_iterator, chunks, pipe: Pipeline, m: int, mbs: int,
+                 forward_only: bool):
+        self.step_func, self.data, self.chunks, self.pipe = forward_step_func, data_iterator, chunks, pipe
+        self.m, self.mbs, self.forward_only = m, mbs, forward_only
+        self.config = get_model_config(chunks[0])
+        self.p, self.v, self.k = pipe.size, pipe.chunks, pipe.splits
+        self.last_vs = self.p * self.v - 1
+        self.segments: Dict[int, List[dict]] = {}
+        self.states: Dict[int, SegmentState] = {}
+        self.stored: Dict[tuple, tuple] = {}
+        self.losses: Dict[int, Dict[int, tuple]] = {}
+        self.reports: List[dict] = []
+        self.total_tokens = 0
+        self.timeline: List[tuple] = []
+        device = next(chunks[0].parameters()).device
+        dtype = next(chunks[0].parameters()).dtype
+        self.meter = _ActivationMeter({p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()})
+        self.inbox, self.outbox = self._links(device, dtype)
+
+    # ---- links --------------------------------------------------------------------------------
+    def _links(self, device, dtype):
+        pipe, inbox, outbox = self.pipe, {}, {}
+        if self.p == 1:
+            return inbox, outbox
+        me, prv, nxt = pipe.members[pipe.rank], pipe.members[pipe.rank - 1], pipe.members[(pipe.rank + 1) % self.p]
+        for purpose, src, dst in (("act", prv, me), ("grad", nxt, me)):
+            sender = pipe.members.index(src)
+            ops = self._ops_of(sender)
+            keys = iter(sent_messages(ops, self.p, sender, self.v, purpose))
+            inbox[purpose] = Inbox(pipe.links[(purpose, src, dst)], src, keys, self._shape, dtype, device)
+        outbox["act"] = Outbox(pipe.links[("act", me, nxt)], nxt, "act")
+        outbox["grad"] = Outbox(pipe.links[("grad", me, prv)], prv, "grad")
+        return inbox, outbox
+
+    def _ops_of(self, stage: int) -> List[Op]:
+        if self.forward_only:
+            return [op for op in rank_schedule(self.p, stage, self.m, self.k, self.v).ops if op.kind == "F"]
+        return rank_schedule(self.p, stage, self.m, self.k, self.v).ops
+
+    def _shape(self, key):
+        """[segment tokens, micro-batch, hidden]: activations and their gradients alike."""
+        return (self.pipe.segment_tokens[key[2]], self.mbs, self.pipe.hidden)
+
+    # ---- data -----------------------------------------------------------------------------------
+    def _segment(self, m: int, s: int) -> dict:
+        if m not in self.segments:  # micro-batches arrive in order on every rank
+            batch = next(self.data)
+            bounds = [0]
+            for n in self.pipe.segment_tokens:
+                bounds.append(bounds[-1] + n)
+            # [b, s] -> k x [b, n_s] (per-token tensors along the sequence)
+            self.segments[m] = [{key: val[:, a:b].contiguous() for key, val in batch.items()}
+                                for a, b in zip(bounds, bounds[1:])]
+            self.states[m] = SegmentState()
+        seg = dict(self.segments[m][s])
+        if self.k > 1:
+            seg["segment"] = SegmentSlot(self.states[m], s)
+        return seg
+
+    # ---- operations ----------------------------------------------------------------------------
+    def forward(self, op: Op) -> None:
+        c, (m, s) = op.chunk, op.unit
+        vs = c * self.p + self.pipe.rank
+        batch = self._segment(m, s)
+        inp = None
+        if vs > 0:
+            inp = self.inbox["act"].get((c, m, s))
+            inp.requires_grad_(not self.forward_only)
+        chunk = self.chunks[c]
+        chunk.set_input_tensor(inp)
+        with self.meter.forward((c, m, s)) if not self.forward_only else contextlib.nullcontext():
+            output, loss_func = self.step_func(iter([batch]), chunk)
+        if vs == self.last_vs:
+            parts = loss_func(output)
+            self.losses.setdefault(m, {})[s] = parts
+            output = parts[0]
+        else:
+            self.outbox["act"].send(output)
+        if not self.forward_only:
+            self.stored[(c, m, s)] = (inp, output)
+
+    def _loss_to_backprop(self, m: int, s: int):
+        parts = self.losses[m][s]
+        if len(parts) == 2:  # (loss, report): a mean already
+            return parts[0] / (self.m * self.k)
+        loss, _, _ = parts
+        if self.config.calculate_per_token_loss:
+            return loss
+        tokens = sum(p[1] for p in self.losses[m].values())  # the whole sequence's
+        return loss / tokens / self.m
+
+    def backward(self, op: Op, last_of_chunk: bool) -> None:
+        c, (m, s) = op.chunk, op.unit
+        vs = c * self.p + self.pipe.rank
+        inp, output = self.stored.pop((c, m, s))
+        no_sync = self.config.no_sync_func if (self.config.no_sync_func and not last_of_chunk) else contextlib.nullcontext
+        with no_sync():
+            if vs == self.last_vs:
+                torch.autograd.backward(self._loss_to_backprop(m, s))
+            else:
+                torch.autograd.backward(output, grad_tensors=self.inbox["grad"].get((c, m, s)))
+        if vs > 0:
+            self.outbox["grad"].send(inp.grad)
+        self.meter.backward_done((c, m, s))
+
+    def finish_microbatch(self, m: int) -> None:
+        self.segments.pop(m, None)
+        state = self.states.pop(m, None)
+        if state is not None:
+            state.release()
+        if m in self.losses:
+            self._report(m, self.losses.pop(m))
+
+    def _report(self, m: int, parts: Dict[int, tuple]) -> None:
+        reports = [p[-1] for _, p in sorted(parts.items())]
+        merged = {key: sum(r[key] for r in reports) for key in reports[0]}
+        self.reports.append(merged)
+        if len(next(iter(parts.values()))) == 3:
+            self.total_tokens = self.total_tokens + sum(p[1] for p in parts.values())
+
+    def _last_use(self, op: Op) -> bool:
+        """The micro-batch's last operation on this rank: chunk 0's backward of segment 0 (LIFO
+        over segments, chunks backwards), or without backwards the last chunk's last forward."""
+        if self.forward_only:
+            return op.chunk == self.v - 1 and op.unit[1] == self.k - 1
+        return op.kind == "B" and op.chunk == 0 and op.unit[1] == 0
+
+    def run(self, ops: List[Op]) -> None:
+        last_backward = {op.chunk: i for i, op in enumerate(ops) if op.kind == "B"}
+        for i, op in enumerate(ops):
+            start = time.perf_counter()
+            if op.kind == "F":
+                self.forward(op)
+            else:
+                self.backward(op, last_backward[op.chunk] == i)
+            if self.pipe.record_timeline:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                self.timeline.append((str(op), start, time.perf_counter()))
+            if self._last_use(op):
+                self.finish_microbatch(op.unit[0])
+        for box in self.outbox.values():
+            box.flush()
+
+
+def forward_backward_seq1f1b(
+    *, forward_step_func, data_iterator, model, num_microbatches: int, seq_length: int = None,
+    micro_batch_size: int = None, decoder_seq_length: int = None, forward_only: bool = False,
+    collect_non_loss_data: bool = False, first_val_step: bool = None, adjust_tensor_shapes_fn=None,
+    p2p_communicator: Optional[Pipeline] = None, pg_collection=None,
+):
+    """Run one iteration's schedule on this rank. `model` is the list of this rank's chunks;
+    returns the loss reports (one per micro-batch, summed over its segments) on the last stage."""
+    if collect_non_loss_data:
+        raise NotImplementedError("collect_non_loss_data is not supported")
+    chunks = model if isinstance(model, list) else [model]
+    pipe = p2p_communicator or Pipeline(1, 0, 1, [seq_length], 0, {}, [dist.get_rank()])
+    if isinstance(data_iterator, list):
+        data_iterator = data_iterator[0]
+    runner = _Runner(forward_step_func, data_iterator, chunks, pipe, num_microbatches, micro_batch_size, forward_only)
+    ops = runner._ops_of(pipe.rank)
+    grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
+    with grad_ctx:
+        runner.run(ops)
+    pipe.stats = {"peak_activation_bytes": runner.meter.peak, "timeline": runner.timeline}
+    config = runner.config
+    if not forward_only and config.finalize_model_grads_func is not None:
+        tokens = None
+        if config.calculate_per_token_loss:
+            tokens = torch.as_tensor(runner.total_tokens).reshape(()).to(torch.int64)
+        config.finalize_model_grads_func(chunks, tokens)
+    return runner.reports
