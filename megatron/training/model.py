@@ -41,10 +41,12 @@ def transformer_config(args) -> LongSeqConfig:
         bf16=args.bf16,
         params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
         pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float32,
-        # Parameters are allocated on CPU and initialised by init.py (the same model for every
-        # layout), not by megatron-core.
+        # Parameters are allocated on CPU; init.py then overwrites megatron-core's values with the
+        # same model for every layout. megatron-core's own pass must stay on: it is what tags
+        # weights with their tensor-parallel partition (dim, stride), which init.py and the
+        # gradient norms read.
         use_cpu_initialization=True,
-        perform_initialization=False,
+        perform_initialization=True,
         deterministic_mode=args.deterministic_mode,
         attention_backend=AttnBackend[args.attention_backend],
         calculate_per_token_loss=args.calculate_per_token_loss,

@@ -75,7 +75,19 @@ def test_padded_vocab_matches_megatron():
      "--recompute-num-layers must be in [1, --num-layers 2], got 3"),
     ("--distributed-backend nccl", 1, "--distributed-backend nccl needs CUDA"),
     ("--sequence-parallel --tensor-model-parallel-size 2", 2, "--sequence-parallel needs CUDA"),
-    ("--pipeline-model-parallel-size 2", 2, "pipeline parallelism is not implemented yet"),
+    ("--pipeline-model-parallel-size 2 --num-layers 3", 2,
+     "--num-layers 3 is not divisible by --pipeline-model-parallel-size 2"),
+    ("--pipeline-model-parallel-size 2 --num-layers 4 --num-layers-per-virtual-pipeline-stage 3", 2,
+     "--num-layers 4 is not divisible by --pipeline-model-parallel-size 2 x --num-layers-per-virtual-pipeline-stage 3 = 6"),
+    ("--pipe-sp-splits 200 --attention-dropout 0", 1, "--pipe-sp-splits 200 does not fit --seq-length 128: at most 128 segments"),
+    ("--context-parallel-size 2 --pipe-sp-splits 40 --attention-dropout 0", 2,
+     "--pipe-sp-splits 40 does not fit --seq-length 128: at most 32 segments of 4 tokens"),
+    ("--pipeline-model-parallel-size 4 --num-layers 8 --num-layers-per-virtual-pipeline-stage 1 "
+     "--global-batch-size 6", 4, "3 micro-batches x 1 segments = 3 units in groups of the pipeline size 4: 3 is not divisible by 4"),
+    ("--pipeline-model-parallel-size 4 --num-layers 8 --num-layers-per-virtual-pipeline-stage 1 "
+     "--global-batch-size 8 --pipe-sp-splits 3 --attention-dropout 0", 4,
+     "needs the sequence splits 3 to divide the pipeline size 4"),
+    ("--pipe-sp-splits 2 --attention-dropout 0.1", 1, "--attention-dropout must be 0 with --pipe-sp-splits > 1"),
     ("--context-parallel-size 3", 3, "--seq-length 128 is not divisible by 2 x --context-parallel-size 3 = 6"),
     ("--context-parallel-size 4 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 4", 4,
      "--hierarchical-context-parallel-sizes 2 x 4 = 8 differs from --context-parallel-size 4"),
@@ -152,6 +164,17 @@ def test_context_parallel_layouts():
     gqa = args_for("--context-parallel-size 4 --cp-comm-type a2a --group-query-attention --num-query-groups 1 "
                    "--attention-dropout 0", world=4)
     assert gqa.head_parallel_size == 4
+
+
+def test_pipeline_layouts_and_segments():
+    args = args_for("--pipeline-model-parallel-size 2 --num-layers 8 --num-layers-per-virtual-pipeline-stage 2 "
+                    "--global-batch-size 8 --pipe-sp-splits 4 --attention-dropout 0", world=4)
+    assert (args.virtual_pipeline_chunks, args.num_microbatches, args.segment_lengths) == (2, 2, [32] * 4)
+    uc = args_for("--pipe-sp-splits 4 --pipe-sp-strategy uniform_comp --seq-length 2048 "
+                  "--max-position-embeddings 2048 --attention-dropout 0")
+    assert sum(uc.segment_lengths) == 2048 and uc.segment_lengths[0] > uc.segment_lengths[-1]
+    cp = args_for("--context-parallel-size 2 --pipe-sp-splits 3 --attention-dropout 0", world=2)
+    assert all(n % 4 == 0 for n in cp.segment_lengths) and sum(cp.segment_lengths) == 128
 
 
 def test_sequence_parallel_with_one_tp_rank_is_off_as_in_megatron():
