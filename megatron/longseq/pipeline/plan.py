@@ -115,4 +115,5 @@ def rank_schedule(p: int, rank: int, m: int, k: int, v: int = 1) -> RankSchedule
 
 
 def all_schedules(p: int, m: int, k: int, v: int = 1) -> List[RankSchedule]:
+    check(p, m, k, v)
     return [rank_schedule(p, r, m, k, v) for r in range(p)]

@@ -1,11 +1,15 @@
-"""The no-pipelining schedule: gradients equal the full-batch gradient in both loss conventions."""
+"""The executor's contract on one stage (megatron-core's forward_backward_* semantics): gradients
+equal the full-batch gradient in both loss conventions, with and without Seq1F1B segments."""
 from functools import partial
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from megatron.longseq.pipeline.schedules import forward_backward_no_pipelining
+from megatron.longseq.pipeline.seq1f1b import Pipeline, forward_backward_seq1f1b
+from tests.unit_tests.dist_utils import init_single_rank_world
+
+S = 6
 
 
 class Model(torch.nn.Module):
@@ -17,12 +21,15 @@ class Model(torch.nn.Module):
         self.config = SimpleNamespace(calculate_per_token_loss=per_token, no_sync_func=self._no_sync,
                                       finalize_model_grads_func=self._finalize)
 
+    def set_input_tensor(self, tensor):
+        assert tensor is None  # one stage: the first
+
     def _no_sync(self):
         self.syncs.append("off")
         return torch.enable_grad()
 
     def _finalize(self, models, num_tokens):
-        self.finalized.append(num_tokens)
+        self.finalized.append(None if num_tokens is None else int(num_tokens))
         if num_tokens is not None:
             for p in self.parameters():
                 p.grad /= num_tokens
@@ -33,8 +40,8 @@ class Model(torch.nn.Module):
 
 def data(num_mb=3):
     g = torch.Generator().manual_seed(1)
-    xs = [torch.randn(2, 5, 4, generator=g) for _ in range(num_mb)]
-    masks = [(torch.rand(2, 5, generator=g) > 0.3).float() for _ in range(num_mb)]
+    xs = [torch.randn(2, S, 4, generator=g) for _ in range(num_mb)]
+    masks = [(torch.rand(2, S, generator=g) > 0.3).float() for _ in range(num_mb)]
     masks[0][0] = 0  # micro-batches with different token counts
     return xs, masks
 
@@ -44,23 +51,26 @@ def loss_func(mask, out):
     return total, mask.sum().to(torch.int64), {"lm loss": torch.stack([total.detach(), mask.sum()])}
 
 
-def run(per_token, forward_only=False):
+def step(data_iterator, model):
+    batch = next(data_iterator)
+    return model(batch["x"]), partial(loss_func, batch["mask"])
+
+
+def run(per_token, segments=(S,), forward_only=False):
+    init_single_rank_world()
     xs, masks = data()
-    it = iter(zip(xs, masks))
     model = Model(per_token)
-
-    def step(data_iterator, m):
-        x, mask = next(data_iterator)
-        return m(x), partial(loss_func, mask)
-
-    reports = forward_backward_no_pipelining(forward_step_func=step, data_iterator=it, model=[model],
-                                             num_microbatches=3, forward_only=forward_only)
+    pipe = Pipeline(1, 0, 1, list(segments), 4, {}, [0])
+    reports = forward_backward_seq1f1b(forward_step_func=step, data_iterator=iter({"x": x, "mask": m} for x, m in zip(xs, masks)),
+                                       model=[model], num_microbatches=3, micro_batch_size=2,
+                                       forward_only=forward_only, p2p_communicator=pipe)
     return model, reports, xs, masks
 
 
+@pytest.mark.parametrize("segments", [(S,), (4, 2), (2, 2, 2)], ids=["k1", "k2", "k3"])
 @pytest.mark.parametrize("per_token", [False, True])
-def test_gradients_equal_the_full_batch_loss(per_token):
-    model, reports, xs, masks = run(per_token)
+def test_gradients_equal_the_full_batch_loss(per_token, segments):
+    model, reports, xs, masks = run(per_token, segments)
     ref = Model(per_token)
     if per_token:  # one mean over every token of the batch
         loss = sum((ref(x) * m).sum() for x, m in zip(xs, masks)) / sum(m.sum() for m in masks)
@@ -69,8 +79,10 @@ def test_gradients_equal_the_full_batch_loss(per_token):
     loss.backward()
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-6)
-    assert model.syncs == ["off", "off"]  # sync disabled for all but the last micro-batch
-    assert len(reports) == 3
+    k = len(segments)
+    assert model.syncs == ["off"] * (3 * k - 1)  # sync disabled for all but the last backward
+    assert len(reports) == 3  # one report per micro-batch, summed over its segments
+    assert [int(r["lm loss"][1]) for r in reports] == [int(m.sum()) for m in masks]
     total_tokens = int(sum(m.sum() for m in masks))
     assert model.finalized == [total_tokens if per_token else None]
 
