@@ -23,9 +23,10 @@ setup(
         # HuggingFaceTokenizer and GPT2BPETokenizer load local files through transformers.
         "transformers",
         "tokenizers",
+        "matplotlib",  # timelines and plans drawn by tools/
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "flash-attn"],
-        "test": ["pytest", "matplotlib"],
+        "test": ["pytest"],
     },
 )

@@ -182,6 +182,9 @@ def _checkpoint_and_logging(p):
     g.add_argument("--log-memory-to-tensorboard", action="store_true")
     g.add_argument("--log-timers-to-tensorboard", action="store_true")
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
+    g.add_argument("--pipeline-timeline", type=str, default=None,
+                   help="record the last training iteration's schedule here (one JSON per stage), "
+                        "for tools/pipeline_simulator.py --from-run")
     g.add_argument("--peak-tflops", type=float, default=None,
                    help="peak dense TFLOP/s of one device for MFU (default: by device name)")
 

@@ -1,6 +1,7 @@
 """Megatron's pretrain(): set-up, the training loop, evaluation, checkpoints, logging."""
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -243,7 +244,17 @@ class _Reporter:
         if not self.memory_reported:
             print_rank_0(memory_line(state.iteration))
             self.memory_reported = True
+        if args.timing_log_level >= 1:
+            self._pipeline_memory(state.pipeline)
         self._timers(state.iteration)
+
+    def _pipeline_memory(self, pipeline: Pipeline):
+        """Measured peak of saved activations, per pipeline stage (gathered over the pp group)."""
+        peak = torch.tensor([float(pipeline.stats.get("peak_activation_bytes", 0))])
+        peaks = [torch.zeros(1) for _ in range(self.pgs.size("pp"))]
+        dist.all_gather(peaks, peak, group=self.pgs.pp) if self.pgs.size("pp") > 1 else peaks.__setitem__(0, peak)
+        print_rank_0("peak saved activations per pipeline stage (MB): "
+                     + " ".join(f"{p.item() / 2**20:.1f}" for p in peaks))
 
     def _timers(self, iteration):
         if self.args.timing_log_level >= 2:
@@ -263,7 +274,11 @@ def train(forward_step_func, train_iter, valid_iter, state: TrainState, args, pg
     reporter = _Reporter(args, pgs, timers, tb)
     _train_mode(state.model, True)
     while state.iteration < args.train_iters:
+        record = bool(args.pipeline_timeline) and state.iteration + 1 == args.train_iters
+        state.pipeline.record_timeline = record
         losses, grad_norm, num_zeros = train_step(forward_step_func, train_iter, state, args, pgs, timers)
+        if record:
+            write_timeline(args.pipeline_timeline, state.pipeline, pgs)
         state.iteration += 1
         state.consumed_train_samples += args.global_batch_size
         state.flops_so_far += reporter.flops_per_iter
@@ -280,6 +295,16 @@ def train(forward_step_func, train_iter, valid_iter, state: TrainState, args, pg
             print_rank_0(f"exiting program at iteration {state.iteration}")
             return True
     return False
+
+
+def write_timeline(directory: str, pipeline: Pipeline, pgs) -> None:
+    """One file per pipeline stage (from the first rank of its dp x cp x tp replicas)."""
+    if pgs.index("dp_cp") or pgs.index("tp"):
+        return
+    os.makedirs(directory, exist_ok=True)
+    blob = {"stage": pipeline.rank, "events": pipeline.stats["timeline"]}
+    with open(os.path.join(directory, f"rank_{pipeline.rank}.json"), "w") as f:
+        json.dump(blob, f)
 
 
 def save_and_report(args, state, pgs):

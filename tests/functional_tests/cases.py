@@ -72,6 +72,16 @@ CASES = [
         "--context-parallel-size 4 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 2 "
         "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
         "--selective-checkpoint-pp").split(), "gpt_llama"),
+    # Pipelines: 1F1B and Seq1F1B, interleaved, with TP and CP, on the single-rank curves.
+    Case("gpt_base_pp2_1f1b", 2, "--pipeline-model-parallel-size 2".split(), "gpt_base"),
+    Case("gpt_base_pp2_seq1f1b_k4", 2, "--pipeline-model-parallel-size 2 --pipe-sp-splits 4".split(), "gpt_base"),
+    Case("gpt_llama_pp2_vp2_seq1f1b_k2_uniform_comp", 2, LLAMA + (
+        "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 --pipe-sp-splits 2 "
+        "--pipe-sp-strategy uniform_comp").split(), "gpt_llama"),
+    Case("gpt_llama_pp2_tp2_seq1f1b_k2", 4, LLAMA + (
+        "--pipeline-model-parallel-size 2 --tensor-model-parallel-size 2 --pipe-sp-splits 2").split(), "gpt_llama"),
+    Case("gpt_llama_pp2_cp2_seq1f1b_k2", 4, LLAMA + (
+        "--pipeline-model-parallel-size 2 --context-parallel-size 2 --pipe-sp-splits 2").split(), "gpt_llama"),
     Case("gpt_dropout", 1, "--hidden-dropout 0.1 --attention-dropout 0.1".split()),
     Case("gpt_dropout_recompute", 1, "--hidden-dropout 0.1 --attention-dropout 0.1 --recompute-granularity "
          "full --recompute-method block --recompute-num-layers 1".split(), "gpt_dropout"),

@@ -78,6 +78,17 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(runs, tmp_path):
     assert {"learning-rate", "grad-norm", "iteration-time", "loss-scale"} <= set(events.Tags()["scalars"])
 
 
+def test_recorded_pipeline_timeline_is_read_by_the_simulator(runs, tmp_path):
+    from tools import pipeline_simulator
+
+    case = BY_NAME["gpt_base_pp2_seq1f1b_k4"]
+    run_case(case, runs.workdir, ["--pipeline-timeline", str(tmp_path / "tl"), "--timing-log-level", "1"])
+    events, stages = pipeline_simulator.recorded_events(str(tmp_path / "tl"))
+    assert stages == 2 and len(events) == 2 * 2 * 4 * 4  # stages x (F, B) x micro-batches x splits
+    pipeline_simulator.main(["--from-run", str(tmp_path / "tl"), "--png", str(tmp_path / "real.png")])
+    assert (tmp_path / "real.png").stat().st_size > 10_000
+
+
 BAD = [
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["--num-layers", None], "--num-layers is required"),

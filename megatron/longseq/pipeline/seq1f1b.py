@@ -140,6 +140,7 @@ class _Runner:
         if vs > 0:
             inp = self.inbox["act"].get((c, m, s))
             inp.requires_grad_(not self.forward_only)
+        self.ready = time.time()  # the timeline shows waiting for the input as a gap
         chunk = self.chunks[c]
         chunk.set_input_tensor(inp)
         with self.meter.forward((c, m, s)) if not self.forward_only else contextlib.nullcontext():
@@ -168,11 +169,13 @@ class _Runner:
         vs = c * self.p + self.pipe.rank
         inp, output = self.stored.pop((c, m, s))
         no_sync = self.config.no_sync_func if (self.config.no_sync_func and not last_of_chunk) else contextlib.nullcontext
+        grad = None if vs == self.last_vs else self.inbox["grad"].get((c, m, s))
+        self.ready = time.time()
         with no_sync():
-            if vs == self.last_vs:
+            if grad is None:
                 torch.autograd.backward(self._loss_to_backprop(m, s))
             else:
-                torch.autograd.backward(output, grad_tensors=self.inbox["grad"].get((c, m, s)))
+                torch.autograd.backward(output, grad_tensors=grad)
         if vs > 0:
             self.outbox["grad"].send(inp.grad)
         self.meter.backward_done((c, m, s))
@@ -202,7 +205,6 @@ class _Runner:
     def run(self, ops: List[Op]) -> None:
         last_backward = {op.chunk: i for i, op in enumerate(ops) if op.kind == "B"}
         for i, op in enumerate(ops):
-            start = time.perf_counter()
             if op.kind == "F":
                 self.forward(op)
             else:
@@ -210,7 +212,8 @@ class _Runner:
             if self.pipe.record_timeline:
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
-                self.timeline.append((str(op), start, time.perf_counter()))
+                # wall clock: comparable across the ranks of a machine
+                self.timeline.append((str(op), self.ready, time.time()))
             if self._last_use(op):
                 self.finish_microbatch(op.unit[0])
         for box in self.outbox.values():

@@ -73,3 +73,21 @@ def test_peak_activation_per_stage_falls_with_splits():
 def test_schedules_that_cannot_run(args, message):
     with pytest.raises(ScheduleError, match=message):
         all_schedules(*args)
+
+
+def test_simulator_tool(tmp_path, capsys):
+    from tools import pipeline_simulator
+
+    pipeline_simulator.main(["--pipeline-size", "4", "--micro-batches", "4", "--splits", "4",
+                             "--png", str(tmp_path / "t.png")])
+    out = capsys.readouterr().out
+    bubble_1f1b = float(out.split("1F1B")[1].split()[0])
+    bubble_seq = float(out.split("Seq1F1B k=4")[1].split()[0])
+    assert bubble_1f1b == pytest.approx(3 / 7, abs=1e-3) and bubble_seq < bubble_1f1b
+    assert (tmp_path / "t.png").stat().st_size > 10_000
+    pipeline_simulator.main(["--paper-table"])
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| 7B")]
+    assert len(rows) == 6
+    for row in rows:  # Seq1F1B with the computation-wise partition beats 1F1B in every configuration
+        cells = [float(c) for c in row.split("|")[5:10]]
+        assert cells[3] < cells[0] and cells[4] < cells[1]

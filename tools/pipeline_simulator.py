@@ -1,0 +1,148 @@
+"""Simulate pipeline schedules: timeline PNG, bubble ratio and peak activation per stage.
+
+    # one configuration, against 1F1B, with a Figure-1 style timeline
+    python tools/pipeline_simulator.py --pipeline-size 4 --micro-batches 8 --splits 4 --png seq1f1b.png
+    # the paper's Table 1 configurations: bubble ratios of 1F1B, 1F1B-I, Seq1F1B and Seq1F1B-I
+    python tools/pipeline_simulator.py --paper-table
+    # a timeline recorded by pretrain_gpt.py --pipeline-timeline DIR (one file per rank)
+    python tools/pipeline_simulator.py --from-run DIR --png real.png
+
+Costs: a segment's forward costs its Eq. 8 FLOPs (Seq1F1B section 3.5; the model from --num-layers,
+--hidden-size, --seq-length), its backward twice that; activation memory is proportional to its
+tokens, in units of one micro-batch on one stage.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.longseq.pipeline.partition import partition, segment_flops  # noqa: E402
+from megatron.longseq.pipeline.plan import all_schedules  # noqa: E402
+from megatron.longseq.pipeline.simulate import Timeline, simulate  # noqa: E402
+
+# Seq1F1B Table 1: (name, layers, hidden, sequence lengths, PP, micro-batches)
+PAPER = [
+    ("2.7B", 32, 2560, (16384, 24576, 32768), 8, (32, 64)),
+    ("7B", 32, 4096, (32768, 65536, 131072), 4, (16, 32)),
+    ("13B", 40, 5120, (32768, 65536, 131072), 4, (16, 32)),
+    ("30B", 64, 6144, (32768, 49152, 65536), 8, (32, 64)),
+]
+
+
+def params(layers: int, hidden: int, vocab: int = 50257) -> int:
+    return 12 * layers * hidden * hidden + vocab * hidden
+
+
+def run(p, m, k, v, seq, layers, hidden, strategy) -> Timeline:
+    lengths = partition(seq, k, strategy, 1, params(layers, hidden), layers, hidden)
+    flops = segment_flops(lengths, params(layers, hidden), layers, hidden)
+    unit = sum(flops)  # one micro-batch's forward on the whole model
+    return simulate(all_schedules(p, m, k, v), v, k,
+                    forward_cost=lambda s: flops[s] / unit / (p * v),
+                    activation=lambda s: lengths[s] / seq / v)
+
+
+def paper_table() -> str:
+    rows = ["| model | seq | PP | micro-batches | 1F1B | 1F1B-I | Seq1F1B w/o cwp | Seq1F1B | Seq1F1B-I |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, layers, hidden, seqs, p, mbs in PAPER:
+        for seq in seqs:
+            for m in mbs:
+                b = [run(p, m, 1, 1, seq, layers, hidden, "average").bubble_ratio,
+                     run(p, m, 1, 2, seq, layers, hidden, "average").bubble_ratio,
+                     run(p, m, 4, 1, seq, layers, hidden, "average").bubble_ratio,
+                     run(p, m, 4, 1, seq, layers, hidden, "uniform_comp").bubble_ratio,
+                     run(p, m, 4, 2, seq, layers, hidden, "uniform_comp").bubble_ratio]
+                rows.append(f"| {name} | {seq // 1024}K | {p} | {m} | " + " | ".join(f"{x:.3f}" for x in b) + " |")
+    return "\n".join(rows)
+
+
+def plot(events, p, path, title):
+    """events: (rank, label, start, end, is_forward, micro_batch)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(14, 0.6 * p + 1.2))
+    colors = plt.get_cmap("tab20").colors
+    t0 = min(e[2] for e in events)
+    for rank, label, start, end, forward, mb in events:
+        color = colors[(2 * mb) % 20] if forward else colors[(2 * mb + 1) % 20]
+        ax.broken_barh([(start - t0, end - start)], (p - 1 - rank - 0.4, 0.8), facecolors=color,
+                       edgecolor="black", linewidth=0.3)
+        if end - start > 0:
+            ax.text((start + end) / 2 - t0, p - 1 - rank, label, ha="center", va="center", fontsize=5)
+    ax.set_yticks(range(p))
+    ax.set_yticklabels([f"stage {p - 1 - i}" for i in range(p)])
+    ax.set_xlabel("time")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
+
+
+def simulated_events(t: Timeline):
+    return [(e.rank, f"{e.op.unit[0]}.{e.op.unit[1]}", e.start, e.end, e.op.kind == "F", e.op.unit[0])
+            for e in t.events]
+
+
+def recorded_events(directory):
+    """pretrain_gpt.py --pipeline-timeline DIR writes rank_<r>.json: [[op, start, end], ...]."""
+    events, ranks = [], 0
+    for path in sorted(glob.glob(os.path.join(directory, "rank_*.json"))):
+        blob = json.load(open(path))
+        stage = blob["stage"]
+        ranks = max(ranks, stage + 1)
+        for op, start, end in blob["events"]:
+            kind, rest = op[0], op[1:].split(":")[1]
+            mb, seg = (int(x) for x in rest.split("."))
+            events.append((stage, f"{mb}.{seg}", start, end, kind == "F", mb))
+    return events, ranks
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pipeline-size", type=int, default=4)
+    ap.add_argument("--micro-batches", type=int, default=8)
+    ap.add_argument("--splits", type=int, default=4)
+    ap.add_argument("--chunks", type=int, default=1, help="model chunks per stage (interleaving)")
+    ap.add_argument("--strategy", choices=["average", "uniform_comp"], default="uniform_comp")
+    ap.add_argument("--num-layers", type=int, default=32)
+    ap.add_argument("--hidden-size", type=int, default=4096)
+    ap.add_argument("--seq-length", type=int, default=32768)
+    ap.add_argument("--png", help="write the timeline here")
+    ap.add_argument("--paper-table", action="store_true")
+    ap.add_argument("--from-run", help="directory of a recorded timeline")
+    args = ap.parse_args(argv)
+    if args.paper_table:
+        print(paper_table())
+        return
+    if args.from_run:
+        events, p = recorded_events(args.from_run)
+        busy = sum(e[3] - e[2] for e in events)
+        span = max(e[3] for e in events) - min(e[2] for e in events)
+        print(f"recorded run: {p} stages, {len(events)} operations, bubble ratio {1 - busy / (p * span):.3f}")
+        if args.png:
+            plot(events, p, args.png, f"recorded timeline ({args.from_run})")
+        return
+    p, m, k, v = args.pipeline_size, args.micro_batches, args.splits, args.chunks
+    base = run(p, m, 1, v, args.seq_length, args.num_layers, args.hidden_size, "average")
+    seq = run(p, m, k, v, args.seq_length, args.num_layers, args.hidden_size, args.strategy)
+    name = "Seq1F1B" + ("-I" if v > 1 else "")
+    print(f"P={p} m={m} v={v} seq={args.seq_length} L={args.num_layers} h={args.hidden_size}")
+    print(f"{'schedule':>16} {'bubble':>8}  peak activation per stage (micro-batches)")
+    for label, t in ((("1F1B" + ("-I" if v > 1 else "")), base), (f"{name} k={k}", seq)):
+        print(f"{label:>16} {t.bubble_ratio:>8.3f}  " + " ".join(f"{a:.2f}" for a in t.peak_activation))
+    if args.png:
+        plot(simulated_events(seq), p, args.png, f"{name}: P={p}, m={m}, k={k}, v={v} ({args.strategy})")
+        print(f"wrote {args.png}")
+
+
+if __name__ == "__main__":
+    main()
