@@ -26,6 +26,7 @@ from megatron.longseq.attention.ledger import LEDGER
 from megatron.longseq.attention.placement import split_heads
 from megatron.longseq.attention.ring import ring_attention
 from megatron.longseq.attention.segments import SegmentSlot
+from megatron.longseq.memo.runtime import active_layer
 from megatron.longseq.attention.rope import RotaryEmbedding
 from megatron.longseq.random import checkpoint, current_region, get_rng_tracker
 
@@ -72,6 +73,17 @@ class LongSeqCoreAttention(MegatronModule):
                 attention_bias=None, packed_seq_params=None):
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported")
+        memo = active_layer()
+        if memo is None:
+            return self._forward(query, key, value, attention_mask, packed_seq_params)
+        if memo.phase == "replay":  # MEMO recomputes the layer's other ops, never attention
+            return memo.attention_rows()
+        with memo.attention():
+            out = self._forward(query, key, value, attention_mask, packed_seq_params)
+        memo.keep_attention_output(out)
+        return out
+
+    def _forward(self, query, key, value, attention_mask, packed_seq_params):
         if self.rope is not None:
             positions = positions_of(packed_seq_params, query)
             query, key = self.rope(query, positions), self.rope(key, positions)

@@ -1,0 +1,86 @@
+"""MEMO's bi-level memory plan (section 4.2) over a trace with layer windows.
+
+Level 1: the transient tensors of one layer's forward window (allocated and freed inside it) and of
+its backward window are planned once; every layer whose request sequence (sizes in order) is the
+same reuses that plan, others get their own. Level 2: the whole trace with each window replaced by
+one pseudo block of its level-1 peak, plus every tensor that outlives a window. The composed plan
+(window offset + in-window offset) is checked tensor by tensor against the full trace.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Dict, List, Tuple
+
+from megatron.longseq.memo import dsa
+from megatron.longseq.memo.trace import Trace
+
+
+@dataclass
+class MemoryPlan:
+    peak: int
+    lower_bound: int
+    offsets: Dict[str, int]
+    level1: Dict[str, dsa.Plan]  # window label -> its own plan (reused plans point to the same)
+    level2: dsa.Plan
+    reused: Dict[str, str] = field(default_factory=dict)  # window -> window whose plan it reuses
+
+    def summary(self) -> dict:
+        distinct = {id(p): (label, p) for label, p in self.level1.items()}
+        return {
+            "peak_bytes": self.peak,
+            "lower_bound_bytes": self.lower_bound,
+            "gap": self.peak / self.lower_bound - 1 if self.lower_bound else 0.0,
+            "level1": {label: {"solver": p.solver, "peak": p.peak, "lower_bound": p.lower_bound,
+                               "optimal": p.optimal, "seconds": round(p.seconds, 3), "notes": p.notes}
+                       for label, p in distinct.values()},
+            "level2": {"solver": self.level2.solver, "peak": self.level2.peak,
+                       "lower_bound": self.level2.lower_bound, "optimal": self.level2.optimal,
+                       "seconds": round(self.level2.seconds, 3), "notes": self.level2.notes},
+            "windows_reusing_a_plan": len(self.reused),
+        }
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump({"format": "memo-plan-1", **self.summary(), "offsets": self.offsets}, f)
+
+
+def _window_of(block: dsa.Block, windows: Dict[str, Tuple[int, int]]):
+    for label, (lo, hi) in windows.items():
+        if lo < block.start and block.end < hi:
+            return label
+    return None
+
+
+def bilevel_plan(trace: Trace, solver: str = "gurobi", time_limit: float = 30.0) -> MemoryPlan:
+    windows = trace.windows()
+    blocks = trace.blocks()
+    inside: Dict[str, List[dsa.Block]] = {label: [] for label in windows}
+    outside = []
+    for b in blocks:
+        label = _window_of(b, windows)
+        (inside[label] if label else outside).append(b)
+    level1: Dict[str, dsa.Plan] = {}
+    reused: Dict[str, str] = {}
+    solved: Dict[tuple, Tuple[str, dsa.Plan]] = {}  # request signature -> (first window, plan)
+    for label, bs in inside.items():
+        signature = tuple(b.size for b in bs)
+        if signature in solved:
+            first, p = solved[signature]
+            ids = [b.id for b in inside[first]]
+            level1[label] = dsa.Plan(p.solver, p.peak, p.lower_bound,
+                                     {b.id: p.offsets[i] for b, i in zip(bs, ids)}, 0.0, p.optimal)
+            reused[label] = first
+        else:
+            level1[label] = dsa.plan(bs, solver, time_limit)
+            solved[signature] = (label, level1[label])
+    pseudo = [dsa.Block(f"window:{label}", level1[label].peak, lo, hi + 1)
+              for label, (lo, hi) in windows.items() if level1[label].peak > 0]
+    level2 = dsa.plan(outside + pseudo, solver, time_limit)
+    offsets = {b.id: level2.offsets[b.id] for b in outside}
+    for label, bs in inside.items():
+        base = level2.offsets.get(f"window:{label}", 0)
+        for b in bs:
+            offsets[b.id] = base + level1[label].offsets[b.id]
+    dsa.check_plan(blocks, offsets, level2.peak)
+    return MemoryPlan(level2.peak, dsa.lower_bound(blocks), offsets, level1, level2, reused)

@@ -1,0 +1,111 @@
+"""Allocation traces: what the job profiler records and the planner reads (MEMO section 4.3.2).
+
+A trace is the ordered list of ("malloc", id, bytes), ("free", id, bytes) and ("mark", label, 0)
+events of a run; marks "begin <window>" / "end <window>" bracket each layer's forward and
+backward. On GPU it comes from torch's allocator history (`from_cuda_snapshot`); on CPU from
+`AllocationTracer`, which sees every new storage an operator creates and the moment it dies.
+"""
+from __future__ import annotations
+
+import json
+import weakref
+from dataclasses import dataclass, field
+from typing import Dict, List, Tuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from megatron.longseq.memo.dsa import Block
+
+Event = Tuple[str, str, int]
+
+
+@dataclass
+class Trace:
+    events: List[Event] = field(default_factory=list)
+
+    def mark(self, label: str) -> None:
+        self.events.append(("mark", label, 0))
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump({"format": "memo-trace-1", "events": self.events}, f)
+
+    @classmethod
+    def load(cls, path: str) -> "Trace":
+        blob = json.load(open(path))
+        if blob.get("format") != "memo-trace-1":
+            raise ValueError(f"{path} is not a memo trace file")
+        return cls([tuple(e) for e in blob["events"]])
+
+    def windows(self) -> Dict[str, Tuple[int, int]]:
+        """label -> (position of "begin label", position of "end label")."""
+        begins, out = {}, {}
+        for pos, (kind, label, _) in enumerate(self.events):
+            if kind == "mark" and label.startswith("begin "):
+                begins[label[6:]] = pos
+            elif kind == "mark" and label.startswith("end "):
+                out[label[4:]] = (begins.pop(label[4:]), pos)
+        return out
+
+    def blocks(self) -> List[Block]:
+        """Every allocation as a block over event positions; never freed: alive to the end."""
+        open_at: Dict[str, Tuple[int, int]] = {}
+        blocks = []
+        for pos, (kind, tid, size) in enumerate(self.events):
+            if kind == "malloc":
+                open_at[tid] = (pos, size)
+            elif kind == "free" and tid in open_at:
+                start, size = open_at.pop(tid)
+                blocks.append(Block(tid, size, start, pos))
+        blocks += [Block(tid, size, start, len(self.events)) for tid, (start, size) in open_at.items()]
+        return sorted(blocks, key=lambda b: b.start)
+
+
+class AllocationTracer(TorchDispatchMode):
+    """CPU stand-in for the CUDA allocator history: a storage an operator creates is a malloc
+    (views of existing storages are not), its destruction -- the storage object dies with the
+    storage, however many views or autograd references kept it -- is the free."""
+
+    def __init__(self, trace: Trace = None):
+        super().__init__()
+        self.trace = trace if trace is not None else Trace()
+        self.live: Dict[int, str] = {}
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                self._record(t.untyped_storage())
+        return out
+
+    def _record(self, storage) -> None:
+        ptr = storage.data_ptr()
+        if ptr == 0 or ptr in self.live:
+            return
+        self.count += 1
+        tid, size = f"t{self.count}", storage.nbytes()
+        self.live[ptr] = tid
+        self.trace.events.append(("malloc", tid, size))
+        weakref.finalize(storage, self._free, ptr, tid, size)
+
+    def _free(self, ptr: int, tid: str, size: int) -> None:
+        if self.live.get(ptr) == tid:
+            del self.live[ptr]
+            self.trace.events.append(("free", tid, size))
+
+
+def from_cuda_snapshot(snapshot: dict, device: int = 0) -> Trace:
+    """torch.cuda.memory._snapshot() after _record_memory_history(): allocator actions in order."""
+    trace, ids, generation = Trace(), {}, {}
+    for e in snapshot["device_traces"][device]:
+        addr, size = e["addr"], e["size"]
+        if e["action"] == "alloc":
+            generation[addr] = generation.get(addr, 0) + 1
+            ids[addr] = f"{addr:x}.{generation[addr]}"
+            trace.events.append(("malloc", ids[addr], size))
+        elif e["action"] == "free_requested" and addr in ids:
+            trace.events.append(("free", ids.pop(addr), size))
+    return trace
