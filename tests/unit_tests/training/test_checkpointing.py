@@ -21,7 +21,7 @@ def make_state(tmp_path, extra=""):
 
 def train_one_step(state, args):
     state.optimizer.zero_grad()
-    lm_loss(state.model, args).backward()
+    lm_loss(state.model[0], args).backward()
     state.optimizer.buffer.finish_grad_sync()
     state.optimizer.step()
     state.scheduler.step(args.global_batch_size)
@@ -33,7 +33,7 @@ def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     args, pgs, state = make_state(tmp_path)
     train_one_step(state, args)
     save_checkpoint(args, state, pgs)
-    good = {k: v.clone() for k, v in state.model.state_dict().items() if torch.is_tensor(v)}
+    good = {k: v.clone() for k, v in state.model[0].state_dict().items() if torch.is_tensor(v)}
     train_one_step(state, args)
 
     real_save = checkpointing._atomic_torch_save
@@ -53,7 +53,7 @@ def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     _, _, fresh = make_state(tmp_path)
     assert load_checkpoint(args, fresh, pgs)
     assert fresh.iteration == 1 and fresh.consumed_train_samples == args.global_batch_size
-    for key, value in fresh.model.state_dict().items():
+    for key, value in fresh.model[0].state_dict().items():
         if torch.is_tensor(value):
             assert torch.equal(value, good[key]), key
 
@@ -69,13 +69,13 @@ def test_load_restores_model_optimizer_schedule_and_position(tmp_path):
         train_one_step(state, args)
     save_checkpoint(args, state, pgs)
     train_one_step(state, args)
-    after_a = lm_loss(state.model, args, seed=5).item()
+    after_a = lm_loss(state.model[0], args, seed=5).item()
 
     _, _, resumed = make_state(tmp_path)
     load_checkpoint(args, resumed, pgs)
     assert resumed.scheduler.num_steps == state.scheduler.num_steps - args.global_batch_size
     train_one_step(resumed, args)
-    assert lm_loss(resumed.model, args, seed=5).item() == after_a  # the same third step
+    assert lm_loss(resumed.model[0], args, seed=5).item() == after_a  # the same third step
 
 
 def test_load_rejects_a_different_model(tmp_path):
