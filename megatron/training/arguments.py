@@ -150,6 +150,15 @@ def _training(p):
     g.add_argument("--recompute-granularity", choices=["full", "selective"])
     g.add_argument("--recompute-method", choices=["uniform", "block"])
     g.add_argument("--recompute-num-layers", type=int)
+    g.add_argument("--memo", action="store_true",
+                   help="MEMO: offload layer inputs and attention outputs, swap alpha of the other "
+                        "activations' tokens to host memory and recompute the rest token-wise")
+    g.add_argument("--memo-swap-fraction", default="auto", help="alpha: 'auto' (MEMO's LP) or a number in [0, 1]")
+    g.add_argument("--memo-planner", choices=["gurobi", "cpsat", "greedy"], default="gurobi")
+    g.add_argument("--memo-plan", type=str, default=None, help="reuse a saved memory plan (JSON)")
+    g.add_argument("--memo-save-plan", type=str, default=None, help="write the memory plan (JSON) here")
+    g.add_argument("--memo-host-memory-gb", type=float, default=64.0,
+                   help="pinned host memory MEMO may use per rank")
     g.add_argument("--selective-checkpoint-pp", action="store_true",
                    help="with --recompute-granularity full, keep attention (out, lse) instead of "
                         "recomputing it (LoongTrain's Selective Checkpoint++)")

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.utils import get_model_config
+from megatron.longseq.memo.alpha import HostMemoryError
 from megatron.longseq.attention.ledger import LEDGER
 from megatron.longseq.pipeline.seq1f1b import Pipeline, forward_backward_seq1f1b
 from megatron.training.arguments import ArgsError, parse_args
@@ -26,6 +27,7 @@ from megatron.training.initialize import device_of, initialize_distributed
 from megatron.training.metrics import (
     IntervalStats, TensorboardLogger, format_iteration_line, memory_line, print_rank_0, print_rank_last,
 )
+from megatron.training.memo_setup import setup_memo
 from megatron.training.model import unwrap
 from megatron.training.optimizer import DistributedAdam
 from megatron.training.timers import Timers
@@ -39,6 +41,7 @@ class TrainState:
     optimizer: DistributedAdam
     scheduler: OptimizerParamScheduler
     pipeline: Pipeline
+    memo: object = None
     iteration: int = 0
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0
@@ -50,10 +53,11 @@ def parse_and_validate(argv=None, extra_args_provider=None):
 
 
 def run_main(main) -> None:
-    """Run `main`; a bad command line is one line on stderr and exit status 2."""
+    """Run `main`; a bad command line (or a MEMO plan over the host budget) is one line on stderr
+    and exit status 2."""
     try:
         main()
-    except ArgsError as err:
+    except (ArgsError, HostMemoryError) as err:
         if os.environ.get("RANK", "0") == "0" and os.environ.get("SLURM_PROCID", "0") == "0":
             print(f"pretrain_gpt.py: error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
@@ -246,7 +250,17 @@ class _Reporter:
             self.memory_reported = True
         if args.timing_log_level >= 1:
             self._pipeline_memory(state.pipeline)
+            if state.memo is not None:
+                self._memo(state.memo)
         self._timers(state.iteration)
+
+    def _memo(self, memo):
+        mib = 2**20
+        s = memo.stats
+        print_rank_0(f"MEMO: offloaded {s['offloaded_bytes'] / mib / self.args.log_interval:.1f} MiB and recomputed "
+                     f"{s['recomputed_tokens'] // self.args.log_interval} tokens per iteration; peak host memory "
+                     f"{s['peak_host_bytes'] / mib:.1f} MiB")
+        memo.reset_stats()
 
     def _pipeline_memory(self, pipeline: Pipeline):
         """Measured peak of saved activations, per pipeline stage (gathered over the pp group)."""
@@ -327,6 +341,8 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
                  f"{args.padded_vocab_size - tokenizer.vocab_size} dummy tokens (new size: {args.padded_vocab_size})")
     _print_args(args)
     state = setup(args, pgs, model_provider)
+    if args.memo:
+        state.memo = setup_memo(args, pgs, state, forward_step_func, device_of(args))
     if args.load and load_checkpoint(args, state, pgs):
         print_rank_0(f"  successfully loaded checkpoint from {args.load} at iteration {state.iteration}")
     elif args.load:

@@ -44,6 +44,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _pipeline_args(args)
     _schedule_args(args)
     _recompute_args(args)
+    _memo_args(args)
     _data_args(args)
     _checkpoint_args(args)
     return args
@@ -228,6 +229,26 @@ def _recompute_args(args):
                  f"--recompute-num-layers must be in [1, --num-layers {args.num_layers}], got {n}")
     else:
         _require(method is None, "--recompute-method needs --recompute-granularity full")
+
+
+def _memo_args(args):
+    if not args.memo:
+        return
+    if args.memo_swap_fraction != "auto":
+        try:
+            alpha = float(args.memo_swap_fraction)
+        except ValueError:
+            raise ArgsError(f"--memo-swap-fraction must be 'auto' or a number, got {args.memo_swap_fraction!r}") from None
+        _require(0.0 <= alpha <= 1.0, f"--memo-swap-fraction must be in [0, 1], got {alpha}")
+    _require(args.recompute_granularity is None,
+             "--memo replaces activation recompute; drop --recompute-granularity")
+    _require(args.hidden_dropout == 0.0,
+             "--memo needs --hidden-dropout 0: recomputing a subset of tokens cannot redraw the full dropout mask")
+    _require(not args.sequence_parallel, "--memo does not support --sequence-parallel yet")
+    _require(args.memo_host_memory_gb > 0, "--memo-host-memory-gb must be positive")
+    _require(args.memo_plan is None or os.path.isfile(args.memo_plan), f"--memo-plan: cannot read {args.memo_plan}")
+    _require(args.num_layers // (args.pipeline_model_parallel_size * args.virtual_pipeline_chunks) >= 1,
+             "--memo needs layers to manage")
 
 
 def _data_args(args):

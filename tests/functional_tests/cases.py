@@ -82,6 +82,14 @@ CASES = [
         "--pipeline-model-parallel-size 2 --tensor-model-parallel-size 2 --pipe-sp-splits 2").split(), "gpt_llama"),
     Case("gpt_llama_pp2_cp2_seq1f1b_k2", 4, LLAMA + (
         "--pipeline-model-parallel-size 2 --context-parallel-size 2 --pipe-sp-splits 2").split(), "gpt_llama"),
+    # MEMO: token-wise swap/recompute, alone, with context parallelism and with a Seq1F1B pipeline.
+    Case("gpt_llama_memo_alpha_half", 1, LLAMA + "--memo --memo-swap-fraction 0.5 --memo-planner cpsat".split(),
+         "gpt_llama"),
+    Case("gpt_llama_cp2_ulysses_memo_auto", 2, LLAMA + (
+        "--context-parallel-size 2 --cp-comm-type a2a --memo --memo-planner greedy").split(), "gpt_llama"),
+    Case("gpt_llama_pp2_seq1f1b_k2_memo_quarter", 2, LLAMA + (
+        "--pipeline-model-parallel-size 2 --pipe-sp-splits 2 --memo --memo-swap-fraction 0.25 "
+        "--memo-planner greedy").split(), "gpt_llama"),
     Case("gpt_dropout", 1, "--hidden-dropout 0.1 --attention-dropout 0.1".split()),
     Case("gpt_dropout_recompute", 1, "--hidden-dropout 0.1 --attention-dropout 0.1 --recompute-granularity "
          "full --recompute-method block --recompute-num-layers 1".split(), "gpt_dropout"),

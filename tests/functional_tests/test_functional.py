@@ -89,6 +89,16 @@ def test_recorded_pipeline_timeline_is_read_by_the_simulator(runs, tmp_path):
     assert (tmp_path / "real.png").stat().st_size > 10_000
 
 
+def test_memo_plan_over_the_host_budget_is_refused_before_training():
+    flags = bad_command(["--memo"]) + ["--memo-host-memory-gb", "0.00001"]
+    proc = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py")] + flags,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "host memory" in lines[0] and "--memo-host-memory-gb allows" in lines[0], proc.stderr
+    assert "iteration" not in proc.stdout  # refused before the first training step
+
+
 BAD = [
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["--num-layers", None], "--num-layers is required"),

@@ -26,14 +26,14 @@ class MemoryPlan:
     reused: Dict[str, str] = field(default_factory=dict)  # window -> window whose plan it reuses
 
     def summary(self) -> dict:
-        distinct = {id(p): (label, p) for label, p in self.level1.items()}
         return {
             "peak_bytes": self.peak,
             "lower_bound_bytes": self.lower_bound,
             "gap": self.peak / self.lower_bound - 1 if self.lower_bound else 0.0,
             "level1": {label: {"solver": p.solver, "peak": p.peak, "lower_bound": p.lower_bound,
-                               "optimal": p.optimal, "seconds": round(p.seconds, 3), "notes": p.notes}
-                       for label, p in distinct.values()},
+                               "optimal": p.optimal, "seconds": round(p.seconds, 3), "notes": p.notes,
+                               "reuses": self.reused.get(label)}
+                       for label, p in self.level1.items()},
             "level2": {"solver": self.level2.solver, "peak": self.level2.peak,
                        "lower_bound": self.level2.lower_bound, "optimal": self.level2.optimal,
                        "seconds": round(self.level2.seconds, 3), "notes": self.level2.notes},
@@ -84,3 +84,39 @@ def bilevel_plan(trace: Trace, solver: str = "gurobi", time_limit: float = 30.0)
             offsets[b.id] = base + level1[label].offsets[b.id]
     dsa.check_plan(blocks, offsets, level2.peak)
     return MemoryPlan(level2.peak, dsa.lower_bound(blocks), offsets, level1, level2, reused)
+
+
+def load_plan_summary(path: str) -> dict:
+    """A saved plan (MemoryPlan.save): its summary and offsets."""
+    blob = json.load(open(path))
+    if blob.get("format") != "memo-plan-1":
+        raise ValueError(f"{path} is not a MEMO memory plan")
+    return blob
+
+
+def draw(trace: Trace, plan: MemoryPlan, path: str, title: str = "") -> None:
+    """Every tensor as a rectangle: trace position (x) by planned address range (y)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    blocks = trace.blocks()
+    fig, ax = plt.subplots(figsize=(12, 5))
+    colors = plt.get_cmap("tab20").colors
+    mib = 2**20
+    for i, b in enumerate(blocks):
+        ax.add_patch(plt.Rectangle((b.start, plan.offsets[b.id] / mib), b.end - b.start, b.size / mib,
+                                   facecolor=colors[i % 20], edgecolor="black", linewidth=0.2))
+    for label, (lo, hi) in trace.windows().items():
+        ax.axvspan(lo, hi, color="grey", alpha=0.08)
+    ax.set_xlim(0, len(trace.events))
+    ax.set_ylim(0, plan.peak / mib * 1.05)
+    ax.axhline(plan.lower_bound / mib, color="red", linestyle="--", linewidth=0.8, label="lower bound")
+    ax.set_xlabel("allocation event")
+    ax.set_ylabel("address (MiB)")
+    ax.set_title(title or f"memory plan: peak {plan.peak / mib:.2f} MiB")
+    ax.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=150)
+    plt.close(fig)

@@ -17,6 +17,7 @@ activations (their backward starts at once). On GPU, offload and prefetch run on
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -101,11 +102,18 @@ class Memo:
         self.buffers = Buffers(device)
         self.param_storages = set(param_storages)
         self.last: Optional[LayerState] = None  # the previous managed layer of the running forward
-        self.stats = {"offloaded_bytes": 0, "recomputed_tokens": 0, "layers": 0}
+        self.host_bytes = 0  # host memory held now by layers waiting for their backward
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self.stats = {"offloaded_bytes": 0, "recomputed_tokens": 0, "layers": 0, "peak_host_bytes": self.host_bytes}
 
     # ---- copies: streams and pinned memory on GPU, plain copies on CPU --------------------------
     def to_host(self, t: torch.Tensor) -> _Offloaded:
-        self.stats["offloaded_bytes"] += t.numel() * t.element_size()
+        nbytes = t.numel() * t.element_size()
+        self.stats["offloaded_bytes"] += nbytes
+        self.host_bytes += nbytes
+        self.stats["peak_host_bytes"] = max(self.stats["peak_host_bytes"], self.host_bytes)
         if not self.cuda:
             return _Offloaded(t.detach().clone())
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -155,6 +163,11 @@ def _memo_forward(memo: Memo, forward, index: int, first: bool):
     return run
 
 
+def _release(memo: Memo, held: list) -> None:
+    memo.host_bytes -= held[0]
+    held[0] = 0
+
+
 class LayerState:
     """One managed layer's forward: what it offloaded, and how to bring it back."""
 
@@ -164,6 +177,7 @@ class LayerState:
         self.input = hidden_states
         self.tokens = hidden_states.shape[0]
         self.n_off = int(round(memo.alpha * self.tokens))  # offloaded leading tokens
+        self.held = [0]  # host bytes this layer holds (a box shared with its finalizer)
         self.storages: Dict[int, _Offloaded] = {}  # storage ptr -> offloaded copy (whole storages)
         self.storage_keys: Dict[int, int] = {}
         self._alive: List[torch.Tensor] = []
@@ -185,9 +199,17 @@ class LayerState:
             out = self.fn(hidden_states=self.input, **self.kwargs)
         self.event = self.memo.offload_done_event()
         self.memo.stats["layers"] += 1
+        self.held[0] = self._host_bytes()
+        # a forward that never gets a backward releases when it is dropped (the finalizer must
+        # not reference the state itself, or the state could never be dropped)
+        weakref.finalize(self, _release, self.memo, self.held)
         self.input = None  # only the host copies stay
         self._alive = []
         return out
+
+    def _host_bytes(self) -> int:
+        items = list(self.storages.values()) + [p[0] for p in self.token_parts if p[0] is not None]
+        return sum(i.host.numel() * i.host.element_size() for i in items)
 
     def _storage(self, t: torch.Tensor) -> int:
         ptr = t.untyped_storage().data_ptr()
@@ -281,6 +303,15 @@ class LayerState:
             rebuilt[k] = full
         self.memo.wait_prefetch()
         self.rebuilt = rebuilt
+        self._drop_host_copies()
+
+    def _drop_host_copies(self) -> None:
+        """Rebuilt on the device: the host copies (and the link to the previous layer) can go."""
+        for item in self.storages.values():
+            item.host = None
+        self.token_parts = [(None, shape, dtype) for _, shape, dtype in self.token_parts]
+        self.previous = None
+        _release(self.memo, self.held)
 
     def _recompute(self) -> List[Optional[torch.Tensor]]:
         """Run the layer on its dropped tokens only; collect their saved tensors in order."""

@@ -1,0 +1,128 @@
+"""MEMO's job profiler (section 4.3.2): what one layer saves and how long it takes, the
+device-to-host bandwidth, and the allocation trace of an iteration with layer windows marked.
+
+`profile_sizes` runs one micro-batch with every managed layer offloading all tokens (alpha = 1)
+and reads back per layer: the bytes of the input and attention output (offloaded whole), of
+everything else, and the layer's forward time (measured separately, without offloading).
+`trace_iteration` runs one micro-batch under the allocation tracer (CPU) or torch's allocator
+history (GPU), with "begin/end fwd Ln" and "begin/end bwd Ln" marks around every layer.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, List
+
+import torch
+
+from megatron.longseq.memo.alpha import LayerProfile
+from megatron.longseq.memo.trace import AllocationTracer, Trace, from_cuda_snapshot
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bandwidth(device: torch.device, nbytes: int = 64 * 2**20) -> float:
+    """Bytes/s of a device-to-host copy (pinned on GPU; a plain copy on CPU)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    dst.copy_(src)  # warm up
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(3):
+        dst.copy_(src, non_blocking=device.type == "cuda")
+    _sync(device)
+    return 3 * nbytes / (time.perf_counter() - start)
+
+
+def profile_sizes(memo, run_microbatch: Callable[[], None], layers: List[torch.nn.Module], device) -> LayerProfile:
+    """One micro-batch at alpha = 1: per-layer bytes by kind (the largest managed layer)."""
+    from megatron.longseq.memo import runtime
+
+    seen: List[runtime.LayerState] = []
+    original = runtime.LayerState.forward
+
+    def recording(self):
+        seen.append(self)
+        return original(self)
+
+    alpha, memo.alpha = memo.alpha, 1.0
+    runtime.LayerState.forward = recording
+    try:
+        run_microbatch()
+    finally:
+        runtime.LayerState.forward = original
+        memo.alpha = alpha
+    if not seen:
+        raise RuntimeError("MEMO profile: no managed layer ran (fewer than three layers on this stage?)")
+    sizes = [_layer_sizes(s) for s in seen]
+    fixed, other = max(sizes, key=lambda s: s[0] + s[1])[:2], max(s[2] for s in sizes)
+    return LayerProfile(fixed[0], fixed[1], other, _forward_seconds(layers[0], seen[0], device))
+
+
+def _layer_sizes(state) -> tuple:
+    nbytes = {k: v.host.numel() * v.host.element_size() for k, v in state.storages.items()}
+    inp = nbytes.get(state.input_key, 0)
+    attn = sum(b for k, b in nbytes.items() if k != state.input_key)  # attention output and internals
+    other = sum(p[0].host.numel() * p[0].host.element_size() for p in state.token_parts if p[0] is not None)
+    return inp, attn, other
+
+
+def _forward_seconds(layer, state, device) -> float:
+    """One layer's forward time, without offloading: rerun it on its input under no_grad."""
+    x = torch.randn(state._input_view[0], device=device,
+                    dtype=next(layer.parameters()).dtype)
+    with torch.no_grad():
+        layer(hidden_states=x, **state.kwargs)
+        _sync(device)
+        start = time.perf_counter()
+        layer(hidden_states=x, **state.kwargs)
+        _sync(device)
+    return time.perf_counter() - start
+
+
+def mark_layer_windows(layers, trace: Trace) -> list:
+    """Forward windows by module hooks; backward windows by hooks on the layer's output gradient
+    (its backward begins) and its input gradient (its backward is done)."""
+    handles = []
+    for layer in layers:
+        name = f"L{layer.layer_number}"
+
+        def pre(module, args, kwargs, name=name):
+            trace.mark(f"begin fwd {name}")
+            x = kwargs.get("hidden_states", args[0] if args else None)
+            if x is not None and x.requires_grad:
+                x.register_hook(lambda g, name=name: trace.mark(f"end bwd {name}"))
+
+        def post(module, args, kwargs, out, name=name):
+            trace.mark(f"end fwd {name}")
+            y = out[0] if isinstance(out, tuple) else out
+            if y.requires_grad:
+                y.register_hook(lambda g, name=name: trace.mark(f"begin bwd {name}"))
+
+        handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(layer.register_forward_hook(post, with_kwargs=True))
+    return handles
+
+
+def trace_iteration(run_microbatch: Callable[[], None], layers, device) -> Trace:
+    trace = Trace()
+    handles = mark_layer_windows(layers, trace)
+    try:
+        if device.type == "cuda":
+            torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+            run_microbatch()
+            torch.cuda.synchronize(device)
+            # The allocator's record cannot carry our marks: on GPU the planner sees the iteration
+            # without layer windows and plans it at level 2 only.
+            trace = from_cuda_snapshot(torch.cuda.memory._snapshot(), device.index or 0)
+            torch.cuda.memory._record_memory_history(enabled=None)
+        else:
+            with AllocationTracer(trace):
+                run_microbatch()
+    finally:
+        for h in handles:
+            h.remove()
+    return trace
+

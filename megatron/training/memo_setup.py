@@ -1,0 +1,115 @@
+"""MEMO in the trainer: wrap the layers, profile, choose alpha, plan memory -- all before training.
+
+The profile iterations run on a synthetic micro-batch stream (random tokens, the run's shapes and
+placement), so the data position and every RNG stream of the run stay untouched; the gradients
+they leave are zeroed.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron.longseq.attention.placement import segmented_token_indices
+from megatron.longseq.memo.alpha import HostMemoryError, solve_alpha
+from megatron.longseq.memo.planner import bilevel_plan, load_plan_summary
+from megatron.longseq.memo.profiler import bandwidth, profile_sizes, trace_iteration
+from megatron.longseq.memo.runtime import Memo
+from megatron.longseq.pipeline.plan import rank_schedule
+from megatron.longseq.pipeline.seq1f1b import forward_backward_seq1f1b
+from megatron.training.metrics import print_rank_0
+from megatron.training.model import unwrap
+
+
+def units_in_flight(args, stage: int) -> int:
+    """The most units (micro-batch segments) this stage holds between forward and backward."""
+    live = peak = 0
+    sched = rank_schedule(args.pipeline_model_parallel_size, stage, args.num_microbatches,
+                          args.pipe_sp_splits, args.virtual_pipeline_chunks)
+    for op in sched.ops:
+        live += 1 if op.kind == "F" else -1
+        peak = max(peak, live)
+    return max(1, -(-peak // args.virtual_pipeline_chunks))
+
+
+def _synthetic_batches(args, pgs):
+    g = torch.Generator().manual_seed(12345)
+    while True:
+        tokens = torch.randint(0, args.padded_vocab_size - 1, (args.micro_batch_size, args.seq_length + 1), generator=g)
+        batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
+                 "loss_mask": torch.ones(args.micro_batch_size, args.seq_length),
+                 "position_ids": torch.arange(args.seq_length).expand(args.micro_batch_size, -1)}
+        if pgs.size("cp") > 1:
+            idx = segmented_token_indices(args.segment_lengths, pgs.size("hp"), pgs.size("ring"),
+                                          pgs.index("hp"), pgs.index("ring"))
+            batch = {k: v[:, idx] for k, v in batch.items()}
+        yield batch
+
+
+def _agree(value: float, op, group) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=op, group=group)
+    return float(t.item())
+
+
+def setup_memo(args, pgs, state, forward_step_func, device) -> Memo:
+    buffer = state.optimizer.buffer
+    memo = Memo(1.0, device, {buffer.param_data.untyped_storage().data_ptr()})
+    layers = []
+    for i, chunk in enumerate(unwrap(state.model)):
+        last_chunk = chunk.post_process
+        memo.wrap(chunk.decoder.layers, keep_last=2 if last_chunk else 0)
+        keep = 2 if last_chunk else 0
+        layers += list(chunk.decoder.layers)[: max(len(chunk.decoder.layers) - keep, 0)]
+    data = _synthetic_batches(args, pgs)
+
+    def one_iteration():
+        forward_backward_seq1f1b(forward_step_func=forward_step_func, data_iterator=data, model=state.model,
+                                 num_microbatches=args.num_microbatches, micro_batch_size=args.micro_batch_size,
+                                 p2p_communicator=state.pipeline)
+
+    profile = profile_sizes(memo, one_iteration, layers, device) if layers else None
+    forced = None if args.memo_swap_fraction == "auto" else float(args.memo_swap_fraction)
+    budget = args.memo_host_memory_gb * 2**30
+    choice, error = None, ""
+    if profile is not None:
+        try:
+            choice = solve_alpha(profile, bandwidth(device), len(layers) + 2, budget,
+                                 units_in_flight(args, pgs.index("pp")), forced)
+        except HostMemoryError as err:
+            error = str(err)
+    if _agree(1.0 if error else 0.0, dist.ReduceOp.MAX, None):  # refuse on every rank, before training
+        raise HostMemoryError(error or "MEMO: another rank's plan exceeds its host memory budget")
+    # tp ranks must recompute the same token rows; stages agree too, so the log tells one alpha
+    memo.alpha = _agree(choice.alpha if choice else 1.0, dist.ReduceOp.MIN, None)
+    if args.memo_plan:
+        summary = load_plan_summary(args.memo_plan)
+        print_rank_0(f"MEMO memory plan: reused {args.memo_plan} (peak {summary['peak_bytes'] / 2**20:.2f} MiB)")
+    else:
+        trace = trace_iteration(one_iteration, layers, device)
+        plan = bilevel_plan(trace, args.memo_planner, time_limit=30.0)
+        if args.memo_save_plan and dist.get_rank() == 0:
+            plan.save(args.memo_save_plan)
+        summary = plan.summary()
+        print_rank_0(_plan_line(summary))
+    state.optimizer.zero_grad()
+    memo.reset_stats()
+    _report(memo, choice, profile, budget)
+    return memo
+
+
+def _plan_line(s: dict) -> str:
+    level1 = ", ".join(sorted({v["solver"] for v in s["level1"].values()})) or "-"
+    return (f"MEMO memory plan: level 1 {level1}, level 2 {s['level2']['solver']}; peak "
+            f"{s['peak_bytes'] / 2**20:.2f} MiB, lower bound {s['lower_bound_bytes'] / 2**20:.2f} MiB "
+            f"(+{100 * s['gap']:.1f}%)")
+
+
+def _report(memo, choice, profile, budget):
+    mib, gib = 2**20, 2**30
+    if choice is not None:
+        print_rank_0(
+            f"MEMO: alpha {memo.alpha:.3f} ({choice.bound_by if choice.alpha == memo.alpha else 'agreed across ranks'}); "
+            f"per layer: input {profile.input_bytes / mib:.1f} MiB, attention {profile.attention_bytes / mib:.1f} MiB, "
+            f"other {profile.other_bytes / mib:.1f} MiB, forward {profile.forward_seconds * 1e3:.2f} ms; predicted "
+            f"offload {choice.offload_seconds * 1e3:.2f} ms/layer, overlap {100 * choice.overlap:.0f}%; host memory "
+            f"{choice.host_bytes / mib:.1f} MiB of {budget / gib:.2f} GiB")

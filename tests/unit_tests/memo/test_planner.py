@@ -1,0 +1,83 @@
+"""The DSA planner and the bi-level plan: valid plans, near the bound, the solver fallbacks."""
+import random
+
+import pytest
+import torch
+
+from megatron.longseq.memo import dsa
+from megatron.longseq.memo.planner import bilevel_plan
+from megatron.longseq.memo.profiler import trace_iteration
+from megatron.longseq.memo.runtime import Memo
+from megatron.longseq.memo.trace import AllocationTracer, Trace
+from tests.unit_tests.dist_utils import grid_groups, init_single_rank_world
+from tests.unit_tests.model_utils import lm_loss, tiny_args, tiny_gpt
+
+
+def synthetic(n, seed):
+    rng = random.Random(seed)
+    blocks = []
+    for i in range(n):
+        start = rng.randint(0, 3 * n)
+        blocks.append(dsa.Block(f"t{i}", rng.choice([1, 2, 3, 4, 8, 16]) * 4096, start, start + rng.randint(1, n // 2 + 1)))
+    return blocks
+
+
+@pytest.mark.parametrize("solver", dsa.SOLVERS)
+@pytest.mark.parametrize("n, seed", [(12, 0), (30, 1), (60, 2)])
+def test_plans_are_valid_and_never_below_the_bound(solver, n, seed):
+    blocks = synthetic(n, seed)
+    plan = dsa.plan(blocks, solver, time_limit=10)
+    dsa.check_plan(blocks, plan.offsets, plan.peak)
+    assert plan.peak >= plan.lower_bound == dsa.lower_bound(blocks)
+    if plan.optimal and plan.solver != "greedy":
+        assert plan.peak <= 1.05 * plan.lower_bound
+
+
+def test_gurobi_size_limit_falls_back_to_cpsat():
+    blocks = synthetic(150, 3)  # ~1000+ overlapping pairs: over the pip licence's 2000 limit
+    plan = dsa.plan(blocks, "gurobi", time_limit=10)
+    assert plan.solver == "cpsat" and any("size-limited licence" in n for n in plan.notes)
+    dsa.check_plan(blocks, plan.offsets, plan.peak)
+
+
+def test_check_plan_catches_an_overlap():
+    a, b = dsa.Block("a", 100, 0, 5), dsa.Block("b", 100, 3, 8)
+    with pytest.raises(AssertionError, match="overlap"):
+        dsa.check_plan([a, b], {"a": 0, "b": 50}, 200)
+
+
+def test_tracer_records_allocations_and_frees():
+    trace = Trace()
+    with AllocationTracer(trace):
+        x = torch.ones(1000)
+        y = x * 2  # a new storage
+        z = y.view(10, 100)  # a view: no allocation
+        del y, z
+        w = x + 1
+    kinds = [e[0] for e in trace.events]
+    assert kinds.count("malloc") == 3 and kinds.index("free") == 2  # y (with its view) freed before w
+    assert all(e[2] == 4000 for e in trace.events)
+
+
+def _real_trace(alpha):
+    init_single_rank_world()
+    args = tiny_args("--num-layers 4 --seq-length 64 --max-position-embeddings 64")
+    model = tiny_gpt(args, grid_groups())
+    layers = list(model.decoder.layers)
+    if alpha is not None:
+        Memo(alpha, torch.device("cpu"), {p.untyped_storage().data_ptr() for p in model.parameters()}).wrap(model.decoder.layers)
+    return trace_iteration(lambda: lm_loss(model, args).backward(), layers, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("alpha", [None, 0.5])
+def test_bilevel_plan_of_real_layer_traces(alpha):
+    trace = _real_trace(alpha)
+    windows = trace.windows()
+    assert {f"{k} L{i}" for k in ("fwd", "bwd") for i in range(1, 5)} <= set(windows)
+    plan = bilevel_plan(trace, "gurobi", time_limit=20)  # checks every tensor of the trace itself
+    summary = plan.summary()
+    assert plan.peak >= plan.lower_bound and summary["windows_reusing_a_plan"] >= 2  # identical layers
+    for level1 in summary["level1"].values():
+        if level1["optimal"] and level1["solver"] != "greedy":
+            assert level1["peak"] <= 1.05 * level1["lower_bound"]
+    assert summary["level2"]["seconds"] < 60

@@ -1,0 +1,98 @@
+"""Plan MEMO's memory offline and draw the plan.
+
+    # profile a model (pretrain_gpt.py's model flags, one CPU rank) and plan it
+    python tools/plan_memory.py --out plan.json --png plan.png --planner cpsat -- \\
+        --num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 1024 \\
+        --micro-batch-size 1 --train-iters 1 --lr 1e-4 --mock-data --tokenizer-type NullTokenizer \\
+        --vocab-size 1000 --hidden-dropout 0 --memo --memo-swap-fraction 0.5
+    # or plan a saved trace
+    python tools/plan_memory.py --trace trace.json --out plan.json --png plan.png
+
+The plan file is what pretrain_gpt.py --memo-plan reuses.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import megatron.longseq  # noqa: E402,F401  (quiet megatron-core's import-time warnings first)
+from megatron.longseq.memo.planner import bilevel_plan, draw  # noqa: E402
+from megatron.longseq.memo.trace import Trace  # noqa: E402
+
+
+def profile_model(model_flags, save_trace=None) -> Trace:
+    """One micro-batch of the model on one CPU rank under the allocation tracer."""
+    import torch
+
+    import pretrain_gpt
+    from megatron.longseq.memo.profiler import trace_iteration
+    from megatron.longseq.memo.runtime import Memo
+    from megatron.training.initialize import initialize_distributed
+    from megatron.training.model import unwrap
+    from megatron.training.tokenizer import build_tokenizer
+    from megatron.training.training import parse_and_validate, setup
+    from megatron.training.validate import padded_vocab_size
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    args = parse_and_validate(model_flags)
+    pgs = initialize_distributed(args)
+    args.padded_vocab_size = padded_vocab_size(build_tokenizer(args).vocab_size, args.make_vocab_size_divisible_by, 1)
+    state = setup(args, pgs, pretrain_gpt.model_provider)
+    model = unwrap(state.model)[0]
+    layers = list(model.decoder.layers)
+    if args.memo:
+        alpha = 0.5 if args.memo_swap_fraction == "auto" else float(args.memo_swap_fraction)
+        Memo(alpha, torch.device("cpu"), {state.optimizer.buffer.param_data.untyped_storage().data_ptr()}).wrap(model.decoder.layers)
+    from megatron.training.memo_setup import _synthetic_batches
+
+    batch = next(_synthetic_batches(args, pgs))
+    trace = trace_iteration(lambda: _loss(model, batch).backward(), layers, torch.device("cpu"))
+    if save_trace:
+        trace.save(save_trace)
+    return trace
+
+
+def _loss(model, batch):
+    from megatron.longseq.attention.core import AttentionInputs
+
+    out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                packed_seq_params=AttentionInputs(position_ids=batch["position_ids"]))
+    return out.float().mean()
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    model_flags = argv[argv.index("--") + 1:] if "--" in argv else []
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--trace", help="plan this saved trace instead of profiling a model")
+    ap.add_argument("--save-trace", help="write the profiled trace here")
+    ap.add_argument("--planner", choices=["gurobi", "cpsat", "greedy"], default="gurobi")
+    ap.add_argument("--time-limit", type=float, default=30.0)
+    ap.add_argument("--out", help="plan JSON")
+    ap.add_argument("--png", help="drawing of the plan")
+    args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    if not args.trace and not model_flags:
+        ap.error("give --trace PATH or pretrain_gpt.py model flags after --")
+    trace = Trace.load(args.trace) if args.trace else profile_model(model_flags, args.save_trace)
+    plan = bilevel_plan(trace, args.planner, args.time_limit)
+    s = plan.summary()
+    print(f"{len(trace.events)} events, {len(trace.windows())} layer windows")
+    for label, level1 in s["level1"].items():
+        if level1["reuses"]:
+            print(f"level 1 {label}: same requests as {level1['reuses']}, its plan reused")
+            continue
+        print(f"level 1 {label}: {level1['solver']} peak {level1['peak']} B, bound {level1['lower_bound']} B, "
+              f"optimal {level1['optimal']}, {level1['seconds']} s {'; '.join(level1['notes'])}")
+    print(f"level 2: {s['level2']['solver']} peak {s['level2']['peak']} B, {s['level2']['seconds']} s")
+    print(f"plan: peak {plan.peak} B, lower bound {plan.lower_bound} B (+{100 * s['gap']:.2f}%)")
+    if args.out:
+        plan.save(args.out)
+    if args.png:
+        draw(trace, plan, args.png)
+
+
+if __name__ == "__main__":
+    main()
