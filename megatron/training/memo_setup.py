@@ -51,15 +51,21 @@ def _agree(value: float, op, group) -> float:
     return float(t.item())
 
 
-def setup_memo(args, pgs, state, forward_step_func, device) -> Memo:
+def wrap_model(state, alpha: float, device) -> tuple:
+    """Memo over every model chunk's layers; the model's last two layers keep their activations.
+    Returns the runtime and the layers it manages."""
     buffer = state.optimizer.buffer
-    memo = Memo(1.0, device, {buffer.param_data.untyped_storage().data_ptr()})
+    memo = Memo(alpha, device, {buffer.param_data.untyped_storage().data_ptr()})
     layers = []
-    for i, chunk in enumerate(unwrap(state.model)):
-        last_chunk = chunk.post_process
-        memo.wrap(chunk.decoder.layers, keep_last=2 if last_chunk else 0)
-        keep = 2 if last_chunk else 0
+    for chunk in unwrap(state.model):
+        keep = 2 if chunk.post_process else 0
+        memo.wrap(chunk.decoder.layers, keep_last=keep)
         layers += list(chunk.decoder.layers)[: max(len(chunk.decoder.layers) - keep, 0)]
+    return memo, layers
+
+
+def setup_memo(args, pgs, state, forward_step_func, device) -> Memo:
+    memo, layers = wrap_model(state, 1.0, device)
     data = _synthetic_batches(args, pgs)
 
     def one_iteration():
@@ -67,7 +73,9 @@ def setup_memo(args, pgs, state, forward_step_func, device) -> Memo:
                                  num_microbatches=args.num_microbatches, micro_batch_size=args.micro_batch_size,
                                  p2p_communicator=state.pipeline)
 
-    profile = profile_sizes(memo, one_iteration, layers, device) if layers else None
+    # Every rank runs the profile and trace iterations, also a stage that manages no layer (the
+    # last stage keeps its last two layers on the device): the iterations pass activations along.
+    profile = profile_sizes(memo, one_iteration, layers, device)
     forced = None if args.memo_swap_fraction == "auto" else float(args.memo_swap_fraction)
     budget = args.memo_host_memory_gb * 2**30
     choice, error = None, ""

@@ -46,6 +46,9 @@ def transformer_config(args) -> LongSeqConfig:
         # weights with their tensor-parallel partition (dim, stride), which init.py and the
         # gradient norms read.
         use_cpu_initialization=True,
+        # No CUDA graphs are captured; megatron-core's default scope name ("full") is deprecated
+        # and warns on every config, the empty list is its current spelling of the same thing.
+        cuda_graph_scope=[],
         perform_initialization=True,
         deterministic_mode=args.deterministic_mode,
         attention_backend=AttnBackend[args.attention_backend],

@@ -90,7 +90,8 @@ def test_recorded_pipeline_timeline_is_read_by_the_simulator(runs, tmp_path):
 
 
 def test_memo_plan_over_the_host_budget_is_refused_before_training():
-    flags = bad_command(["--memo"]) + ["--memo-host-memory-gb", "0.00001"]
+    # four layers: MEMO manages all but the last two, so two layers hold host copies
+    flags = bad_command(["--num-layers", "4"]) + ["--memo", "--memo-host-memory-gb", "0.00001"]
     proc = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py")] + flags,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2

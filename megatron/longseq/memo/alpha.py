@@ -7,7 +7,8 @@
 
 S_* are one layer's skeletal bytes (input, attention output, the rest), B the device-to-host
 bandwidth, T_layer one layer's forward time, n the layers (the last two keep their activations),
-in_flight how many micro-batches' activations a stage holds at once (1, or the pipeline warm-up).
+in_flight how many units (micro-batches, or Seq1F1B segments) a stage holds at once (1, or the
+pipeline warm-up).
 With one variable the LP's optimum is the smallest of the constraints' bounds.
 """
 from __future__ import annotations
@@ -37,6 +38,11 @@ class AlphaPlan:
     host_bytes: int  # pinned host memory this alpha needs
 
 
+def _size(nbytes: float) -> str:
+    """Bytes in GiB, or in MiB below a tenth of a GiB (a tiny budget must not read as 0.00 GiB)."""
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 0.1 * 2**30 else f"{nbytes / 2**20:.3f} MiB"
+
+
 def _host_bytes(p: LayerProfile, alpha: float, layers: int, in_flight: int) -> int:
     per_layer = p.input_bytes + p.attention_bytes + alpha * p.other_bytes
     return int(max(layers - 2, 0) * per_layer * in_flight)
@@ -49,16 +55,16 @@ def solve_alpha(p: LayerProfile, bandwidth: float, layers: int, host_budget: flo
     managed = max(layers - 2, 0) * in_flight
     if managed and fixed * managed > host_budget:
         raise HostMemoryError(
-            f"MEMO needs {fixed * managed / 2**30:.2f} GiB of host memory even at alpha = 0 "
-            f"({layers - 2} layers x {in_flight} micro-batch(es) x {fixed / 2**20:.1f} MiB of layer inputs "
-            f"and attention outputs) but --memo-host-memory-gb allows {host_budget / 2**30:.2f} GiB")
+            f"MEMO needs {_size(fixed * managed)} of host memory even at alpha = 0 "
+            f"({layers - 2} layers x {in_flight} unit(s) in flight x {_size(fixed)} of layer inputs "
+            f"and attention outputs) but --memo-host-memory-gb allows {_size(host_budget)}")
     if forced is not None:
         alpha, bound = forced, "forced"
         need = _host_bytes(p, alpha, layers, in_flight)
         if need > host_budget:
             raise HostMemoryError(
-                f"--memo-swap-fraction {forced} needs {need / 2**30:.2f} GiB of host memory; "
-                f"--memo-host-memory-gb allows {host_budget / 2**30:.2f} GiB")
+                f"--memo-swap-fraction {forced} needs {_size(need)} of host memory; "
+                f"--memo-host-memory-gb allows {_size(host_budget)}")
     else:
         bounds = {"all tokens": 1.0}
         if p.other_bytes > 0:

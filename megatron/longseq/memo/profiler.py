@@ -10,7 +10,7 @@ history (GPU), with "begin/end fwd Ln" and "begin/end bwd Ln" marks around every
 from __future__ import annotations
 
 import time
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 import torch
 
@@ -36,16 +36,23 @@ def bandwidth(device: torch.device, nbytes: int = 64 * 2**20) -> float:
     return 3 * nbytes / (time.perf_counter() - start)
 
 
-def profile_sizes(memo, run_microbatch: Callable[[], None], layers: List[torch.nn.Module], device) -> LayerProfile:
-    """One micro-batch at alpha = 1: per-layer bytes by kind (the largest managed layer)."""
+def profile_sizes(memo, run_microbatch: Callable[[], None], layers: List[torch.nn.Module],
+                  device) -> Optional[LayerProfile]:
+    """One micro-batch at alpha = 1: per-layer bytes by kind (the largest managed layer), or None
+    on a pipeline stage that manages no layer. Every rank must call it: the iteration communicates."""
     from megatron.longseq.memo import runtime
 
     seen: List[runtime.LayerState] = []
+    sizes: List[tuple] = []
     original = runtime.LayerState.forward
 
     def recording(self):
+        out = original(self)
+        # read now: under a pipeline schedule this layer's backward (which frees the host copies)
+        # may run before the iteration ends
         seen.append(self)
-        return original(self)
+        sizes.append(_layer_sizes(self))
+        return out
 
     alpha, memo.alpha = memo.alpha, 1.0
     runtime.LayerState.forward = recording
@@ -55,8 +62,7 @@ def profile_sizes(memo, run_microbatch: Callable[[], None], layers: List[torch.n
         runtime.LayerState.forward = original
         memo.alpha = alpha
     if not seen:
-        raise RuntimeError("MEMO profile: no managed layer ran (fewer than three layers on this stage?)")
-    sizes = [_layer_sizes(s) for s in seen]
+        return None
     fixed, other = max(sizes, key=lambda s: s[0] + s[1])[:2], max(s[2] for s in sizes)
     return LayerProfile(fixed[0], fixed[1], other, _forward_seconds(layers[0], seen[0], device))
 

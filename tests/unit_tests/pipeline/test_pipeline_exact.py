@@ -1,6 +1,7 @@
 """Pipeline layouts against one stage: the loss and every parameter's gradient of a GPT iteration
 (2 micro-batches) are the same for pp 2 and 4, Seq1F1B splits 1/2/4 (average and uniform_comp),
-interleaved or not, combined with tensor parallel 2 and context parallel 2."""
+interleaved or not, combined with tensor parallel 2 and context parallel 2, and with MEMO's
+token-wise swap/recompute at several alphas."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -8,6 +9,7 @@ import torch.distributed as dist
 from megatron.longseq.attention.placement import segmented_token_indices
 from megatron.longseq.pipeline.seq1f1b import forward_backward_seq1f1b
 from megatron.training.init import global_name
+from megatron.training.memo_setup import wrap_model
 from megatron.training.model import build_model_chunks, unwrap
 from megatron.training.training import setup
 from tests.unit_tests.dist_utils import grid_groups, init_single_rank_world, run_ranks
@@ -37,10 +39,18 @@ def one_iteration(args, pgs):
     import pretrain_gpt
 
     state = setup(args, pgs, lambda a, p, d: build_model_chunks(a, p, d))
+    memo = None
+    if args.memo:  # the runtime alone, at the forced alpha (the trainer's profile/plan aside)
+        memo, managed = wrap_model(state, float(args.memo_swap_fraction), torch.device("cpu"))
     reports = forward_backward_seq1f1b(
         forward_step_func=pretrain_gpt.forward_step, data_iterator=batches(args, pgs), model=state.model,
         num_microbatches=args.num_microbatches, micro_batch_size=args.micro_batch_size,
         p2p_communicator=state.pipeline)
+    if memo is not None and managed:  # MEMO did take part: every managed forward went through it
+        units = args.num_microbatches * args.pipe_sp_splits
+        assert memo.stats["layers"] == len(managed) * units
+        assert (memo.stats["recomputed_tokens"] > 0) == (memo.alpha < 1)
+        assert memo.host_bytes == 0  # every host copy released by its backward
     loss = sum(r["lm loss"] for r in reports) if reports else None
     if loss is not None and pgs.size("cp") > 1:  # each cp rank reports its own tokens
         dist.all_reduce(loss, group=pgs.cp)
@@ -94,16 +104,24 @@ def _run_all(cases, ref_path):
 
 
 CASES = {
-    1: ["--pipe-sp-splits 4", "--pipe-sp-splits 4 --pipe-sp-strategy uniform_comp"],
+    1: ["--pipe-sp-splits 4", "--pipe-sp-splits 4 --pipe-sp-strategy uniform_comp",
+        "--pipe-sp-splits 4 --memo --memo-swap-fraction 0.5"],
     2: ["--pipeline-model-parallel-size 2",
         "--pipeline-model-parallel-size 2 --pipe-sp-splits 2 --pipe-sp-strategy uniform_comp",
         "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2 --pipe-sp-splits 2",
-        "--pipeline-model-parallel-size 2 --pipe-sp-splits 4"],
+        "--pipeline-model-parallel-size 2 --pipe-sp-splits 4",
+        "--pipeline-model-parallel-size 2 --pipe-sp-splits 2 --memo --memo-swap-fraction 0.25",
+        "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2 --pipe-sp-splits 2 "
+        "--memo --memo-swap-fraction 0",
+        "--context-parallel-size 2 --cp-comm-type a2a --memo --memo-swap-fraction 0.5"],
     4: ["--pipeline-model-parallel-size 4 --pipe-sp-splits 4",
         "--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 1 --pipe-sp-splits 4 "
         "--pipe-sp-strategy uniform_comp",
         "--pipeline-model-parallel-size 2 --tensor-model-parallel-size 2 --pipe-sp-splits 2",
-        "--pipeline-model-parallel-size 2 --context-parallel-size 2 --pipe-sp-splits 2"],
+        "--pipeline-model-parallel-size 2 --context-parallel-size 2 --pipe-sp-splits 2",
+        "--pipeline-model-parallel-size 2 --context-parallel-size 2 --pipe-sp-splits 2 --memo --memo-swap-fraction 1",
+        "--context-parallel-size 4 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 2 "
+        "--memo --memo-swap-fraction 0.25"],
 }
 
 
