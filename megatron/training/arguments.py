@@ -157,6 +157,9 @@ def _training(p):
     g.add_argument("--memo-planner", choices=["gurobi", "cpsat", "greedy"], default="gurobi")
     g.add_argument("--memo-plan", type=str, default=None, help="reuse a saved memory plan (JSON)")
     g.add_argument("--memo-save-plan", type=str, default=None, help="write the memory plan (JSON) here")
+    g.add_argument("--memo-allocator", choices=["caching", "planned"], default="caching",
+                   help="planned: replace torch's CUDA caching allocator with one that places each layer's "
+                        "transient tensors at the memory plan's offsets (CUDA only)")
     g.add_argument("--memo-host-memory-gb", type=float, default=64.0,
                    help="pinned host memory MEMO may use per rank")
     g.add_argument("--selective-checkpoint-pp", action="store_true",

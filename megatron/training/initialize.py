@@ -45,6 +45,10 @@ def initialize_distributed(args) -> ProcessGroups:
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     if args.device_type == "cuda":
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+        if args.memo and args.memo_allocator == "planned":  # before the first CUDA allocation
+            from megatron.longseq.memo.allocator import install
+
+            install()
     if args.deterministic_mode:
         _deterministic(args)
     dist.init_process_group(

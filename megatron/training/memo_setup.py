@@ -10,9 +10,11 @@ import torch
 import torch.distributed as dist
 
 from megatron.longseq.attention.placement import segmented_token_indices
+from megatron.longseq.memo import allocator
+from megatron.longseq.memo.allocator import WindowDriver
 from megatron.longseq.memo.alpha import HostMemoryError, solve_alpha
 from megatron.longseq.memo.planner import bilevel_plan, load_plan_summary
-from megatron.longseq.memo.profiler import bandwidth, profile_sizes, trace_iteration
+from megatron.longseq.memo.profiler import bandwidth, mark_layer_windows, profile_sizes, trace_iteration
 from megatron.longseq.memo.runtime import Memo
 from megatron.longseq.pipeline.plan import rank_schedule
 from megatron.longseq.pipeline.seq1f1b import forward_backward_seq1f1b
@@ -89,20 +91,47 @@ def setup_memo(args, pgs, state, forward_step_func, device) -> Memo:
         raise HostMemoryError(error or "MEMO: another rank's plan exceeds its host memory budget")
     # tp ranks must recompute the same token rows; stages agree too, so the log tells one alpha
     memo.alpha = _agree(choice.alpha if choice else 1.0, dist.ReduceOp.MIN, None)
+    planned = allocator.INSTALLED
+    memo.allocator = planned
+    if planned is not None:  # from now on every managed layer's forward and backward is a window
+        memo.window_handles = mark_layer_windows(layers, WindowDriver(planned, memo))
     if args.memo_plan:
         summary = load_plan_summary(args.memo_plan)
         print_rank_0(f"MEMO memory plan: reused {args.memo_plan} (peak {summary['peak_bytes'] / 2**20:.2f} MiB)")
+        if planned is not None:
+            planned.load({label: tuple(w) for label, w in summary.get("windows", {}).items()})
     else:
-        trace = trace_iteration(one_iteration, layers, device)
+        trace = _trace(one_iteration, layers, device, planned)
         plan = bilevel_plan(trace, args.memo_planner, time_limit=30.0)
         if args.memo_save_plan and dist.get_rank() == 0:
             plan.save(args.memo_save_plan)
-        summary = plan.summary()
-        print_rank_0(_plan_line(summary))
+        print_rank_0(_plan_line(plan.summary()))
+        if planned is not None:
+            half = planned.load(plan.windows)
+            print_rank_0(f"MEMO planned allocator: arena 2 x {half / 2**20:.2f} MiB, "
+                         f"{len(plan.windows)} layer windows loaded")
+    if planned is not None:
+        planned.settle()
+        planned.reset_peak()
     state.optimizer.zero_grad()
     memo.reset_stats()
     _report(memo, choice, profile, budget)
     return memo
+
+
+def _trace(one_iteration, layers, device, planned):
+    """One iteration's allocation trace with the layer windows marked: recorded by the planned
+    allocator when it is installed (it sees every request and every window), else by the
+    profiler (CPU tracer; on GPU torch's history, without windows)."""
+    if planned is None:
+        return trace_iteration(one_iteration, layers, device)
+    planned.record(True)
+    try:
+        one_iteration()
+        torch.cuda.synchronize(device)
+    finally:
+        planned.record(False)
+    return planned.recorded_trace()
 
 
 def _plan_line(s: dict) -> str:

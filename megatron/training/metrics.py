@@ -87,6 +87,12 @@ def format_iteration_line(*, iteration, train_iters, consumed_samples, elapsed_m
 def memory_stats() -> Dict[str, float]:
     """GPU: the caching allocator's counters. CPU: the process's resident set (current and peak);
     CPU tensors have no allocator statistics, RSS is what they cost."""
+    from megatron.longseq.memo import allocator
+
+    if allocator.INSTALLED is not None:  # torch's allocator statistics are the caching allocator's
+        a = allocator.INSTALLED.stats()
+        return {"allocated": a["allocated_bytes"], "max allocated": a["peak_allocated_bytes"],
+                "reserved": a["backend_bytes"], "max reserved": a["peak_backend_bytes"], "alloc retries": a["retries"]}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         s = torch.cuda.memory_stats()
         return {

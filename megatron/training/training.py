@@ -156,6 +156,8 @@ def train_step(forward_step_func, data_iterator, state: TrainState, args, pgs, t
     timers("optimizer", 1).start()
     _, grad_norm, num_zeros = state.optimizer.step(count_zeros=args.log_num_zeros_in_grad)
     timers("optimizer").stop()
+    if state.memo is not None and state.memo.allocator is not None:
+        state.memo.allocator.settle()  # the iteration's frees are safe to reuse from here
     state.scheduler.step(increment=args.global_batch_size)
     losses = reduce_reports(reports, pgs, state.optimizer.main_data.device)
     if args.check_for_nan_in_loss_and_grad and any(not math.isfinite(v) for v in losses.values()):
@@ -261,6 +263,13 @@ class _Reporter:
                      f"{s['recomputed_tokens'] // self.args.log_interval} tokens per iteration; peak host memory "
                      f"{s['peak_host_bytes'] / mib:.1f} MiB")
         memo.reset_stats()
+        if memo.allocator is not None:
+            a = memo.allocator.stats()
+            print_rank_0(f"MEMO planned allocator: {a['planned_allocs']} planned allocations "
+                         f"({a['planned_bytes'] / mib:.1f} MiB) in {a['windows_run']} windows, "
+                         f"{a['diverged_windows']} diverged ({a['overlap_refusals']} overlap refusals); "
+                         f"reserved {a['backend_bytes'] / mib:.1f} MiB, allocated {a['allocated_bytes'] / mib:.1f} MiB, "
+                         f"cached {a['cached_free_bytes'] / mib:.1f} MiB, retries {a['retries']}")
 
     def _pipeline_memory(self, pipeline: Pipeline):
         """Measured peak of saved activations, per pipeline stage (gathered over the pp group)."""
@@ -308,6 +317,7 @@ def train(forward_step_func, train_iter, valid_iter, state: TrainState, args, pg
                 save_and_report(args, state, pgs)
             print_rank_0(f"exiting program at iteration {state.iteration}")
             return True
+    print_rank_0(memory_line(state.iteration))  # the end state: fragmentation has had time to build up
     return False
 
 

@@ -232,8 +232,12 @@ def _recompute_args(args):
 
 
 def _memo_args(args):
+    _require(args.memo or args.memo_allocator == "caching", "--memo-allocator planned needs --memo")
     if not args.memo:
         return
+    _require(args.memo_allocator == "caching" or args.device_type == "cuda",
+             "--memo-allocator planned needs a CUDA device: it replaces torch's CUDA caching allocator "
+             "(on CPU, plan offline with tools/plan_memory.py)")
     if args.memo_swap_fraction != "auto":
         try:
             alpha = float(args.memo_swap_fraction)

@@ -24,6 +24,8 @@ class MemoryPlan:
     level1: Dict[str, dsa.Plan]  # window label -> its own plan (reused plans point to the same)
     level2: dsa.Plan
     reused: Dict[str, str] = field(default_factory=dict)  # window -> window whose plan it reuses
+    # window -> (sizes, offsets) of its requests in order: what the planned allocator replays
+    windows: Dict[str, tuple] = field(default_factory=dict)
 
     def summary(self) -> dict:
         return {
@@ -42,7 +44,23 @@ class MemoryPlan:
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
-            json.dump({"format": "memo-plan-1", **self.summary(), "offsets": self.offsets}, f)
+            json.dump({"format": "memo-plan-1", **self.summary(), "offsets": self.offsets,
+                       "windows": {k: [list(a), list(b)] for k, (a, b) in self.windows.items()}}, f)
+
+
+def window_requests(trace: Trace, level1: Dict[str, dsa.Plan]) -> Dict[str, tuple]:
+    """label -> (sizes, offsets) of every request inside the window, in order; the offset is the
+    level-1 plan's for a transient of the window, -1 for a tensor that outlives it."""
+    out = {}
+    for label, (lo, hi) in trace.windows().items():
+        offsets_of = level1[label].offsets if label in level1 else {}
+        sizes, offsets = [], []
+        for kind, tid, size in trace.events[lo + 1 : hi]:
+            if kind == "malloc":
+                sizes.append(size)
+                offsets.append(offsets_of.get(tid, -1))
+        out[label] = (sizes, offsets)
+    return out
 
 
 def _window_of(block: dsa.Block, windows: Dict[str, Tuple[int, int]]):
@@ -83,7 +101,8 @@ def bilevel_plan(trace: Trace, solver: str = "gurobi", time_limit: float = 30.0)
         for b in bs:
             offsets[b.id] = base + level1[label].offsets[b.id]
     dsa.check_plan(blocks, offsets, level2.peak)
-    return MemoryPlan(level2.peak, dsa.lower_bound(blocks), offsets, level1, level2, reused)
+    return MemoryPlan(level2.peak, dsa.lower_bound(blocks), offsets, level1, level2, reused,
+                      window_requests(trace, level1))
 
 
 def load_plan_summary(path: str) -> dict:

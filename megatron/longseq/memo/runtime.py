@@ -103,6 +103,7 @@ class Memo:
         self.param_storages = set(param_storages)
         self.last: Optional[LayerState] = None  # the previous managed layer of the running forward
         self.host_bytes = 0  # host memory held now by layers waiting for their backward
+        self.allocator = None  # the planned allocator (allocator.py), when it serves this run
         self.reset_stats()
 
     def reset_stats(self) -> None:

@@ -2,6 +2,7 @@
 import os
 
 import pytest
+import torch
 
 from megatron.training.arguments import ArgsError, parse_args
 from megatron.training.validate import padded_vocab_size, validate_args
@@ -110,6 +111,15 @@ def test_padded_vocab_matches_megatron():
     ("--position-embedding-type rope --rotary-percent 0.1", 1, "rotary dim = kv channels 16 x --rotary-percent 0.1 = 1"),
     ("--hidden-dropout 1.0", 1, "--hidden-dropout must be in [0, 1)"),
     ("--data-path /nonexistent/corpus", 1, "give exactly one of --mock-data, --passkey-data and --data-path"),
+    ("--memo --hidden-dropout 0 --memo-swap-fraction 1.5", 1, "--memo-swap-fraction must be in [0, 1], got 1.5"),
+    ("--memo --hidden-dropout 0 --memo-swap-fraction half", 1, "--memo-swap-fraction must be 'auto' or a number"),
+    ("--memo", 1, "--memo needs --hidden-dropout 0"),
+    ("--memo --hidden-dropout 0 --recompute-granularity selective", 1, "--memo replaces activation recompute"),
+    ("--memo --hidden-dropout 0 --memo-host-memory-gb 0", 1, "--memo-host-memory-gb must be positive"),
+    ("--memo --hidden-dropout 0 --memo-plan /no/such/plan.json", 1, "--memo-plan: cannot read /no/such/plan.json"),
+    ("--memo-allocator planned", 1, "--memo-allocator planned needs --memo"),
+    pytest.param("--memo --hidden-dropout 0 --memo-allocator planned", 1, "--memo-allocator planned needs a CUDA device",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="valid where a CUDA device is visible")),
 ])
 def test_bad_input_is_one_line(extra, world, message):
     assert message in error_of(extra, world)

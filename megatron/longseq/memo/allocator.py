@@ -1,0 +1,254 @@
+"""The planned allocator (arena.c) from Python: build it, load a plan, drive its windows, read its
+counters; on a GPU, install it as torch's allocator and record the job profiler's trace with it.
+
+The C library is compiled on first use with the system C compiler into a per-user cache (keyed by
+the source's hash, replaced atomically) and loaded with ctypes; torch loads the same file as a
+CUDAPluggableAllocator, so both see one set of globals.
+
+What the runtime does with it on a GPU (`--memo-allocator planned`):
+  1. install before the first CUDA allocation (every request now goes through arena.c);
+  2. record one iteration with the layer windows marked: the trace, windows included;
+  3. plan it (planner.bilevel_plan) and load every window's request sequence with its level-1
+     offsets (MemoryPlan.windows, also in a saved plan); the arena is reserved at twice the
+     largest window's extent (two halves: even and odd layers);
+  4. every layer forward/backward runs as a window; before a half is reused the compute stream
+     waits for the offload copies that may still read it, and the cache's epoch advances.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Dict, Optional
+
+import torch
+
+from megatron.longseq.memo.trace import Trace
+
+SOURCE = Path(__file__).with_name("arena.c")
+STATS = ("planned_allocs", "planned_bytes", "cached_allocs", "cache_hits", "diverged_windows",
+         "overlap_refusals", "retries", "failed_allocs", "backend_bytes", "allocated_bytes",
+         "peak_allocated_bytes", "cached_free_bytes", "pending_bytes", "windows_run", "peak_backend_bytes")
+_I64 = ctypes.c_int64
+_LAYER = re.compile(r"L(\d+)$")
+INSTALLED: Optional["PlannedAllocator"] = None  # the process's CUDA allocator, once installed
+
+
+def library_path() -> Path:
+    """The compiled allocator, built once per source version."""
+    source = SOURCE.read_bytes()
+    cache = Path(os.environ.get("MEGATRON_LONGSEQ_CACHE", Path.home() / ".cache" / "megatron-longseq"))
+    target = cache / f"libmemo_arena-{hashlib.sha1(source).hexdigest()[:12]}.so"
+    if target.exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    compiler = os.environ.get("CC", "cc")
+    with tempfile.NamedTemporaryFile(dir=cache, suffix=".so", delete=False) as tmp:
+        pass
+    try:
+        subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", tmp.name, str(SOURCE), "-ldl", "-lpthread"],
+                       check=True, capture_output=True, text=True)
+    except (OSError, subprocess.CalledProcessError) as err:
+        os.unlink(tmp.name)
+        detail = getattr(err, "stderr", "") or str(err)
+        raise RuntimeError(f"MEMO planned allocator: cannot compile {SOURCE} with {compiler}: {detail.strip()}") from err
+    os.replace(tmp.name, target)  # atomic: a concurrent rank sees the old name or the whole file
+    return target
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    lib.arena_init.argtypes = [ctypes.c_int, _I64]
+    lib.arena_malloc.restype = ctypes.c_void_p
+    lib.arena_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    lib.arena_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    lib.arena_reserve.argtypes = [_I64]
+    lib.arena_set_window.argtypes = [ctypes.c_int, _I64, ctypes.POINTER(_I64), ctypes.POINTER(_I64)]
+    lib.arena_begin.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.arena_end.argtypes = [ctypes.c_int]
+    lib.arena_stats.argtypes = [ctypes.POINTER(_I64)]
+    lib.arena_stat_count.restype = _I64
+    lib.arena_base.restype = _I64
+    lib.arena_half_bytes.restype = _I64
+    lib.arena_record.argtypes = [ctypes.c_int]
+    lib.arena_events.restype = _I64
+    lib.arena_events.argtypes = [ctypes.POINTER(_I64), _I64]
+    assert lib.arena_stat_count() == len(STATS), "arena.c and allocator.py disagree on the counters"
+    return lib
+
+
+def _array(values):
+    return (_I64 * max(len(values), 1))(*values)
+
+
+def layer_half(label: str) -> int:
+    """Even layers use the arena's first half, odd layers the second (rounding halves)."""
+    m = _LAYER.search(label)
+    return int(m.group(1)) % 2 if m else 0
+
+
+class PlannedAllocator:
+    """One per process (the C library's state is global). backend: "cuda" or "heap" (the C heap,
+    optionally limited to `capacity` bytes: the same logic, testable without a GPU)."""
+
+    def __init__(self, backend: str = "cuda", capacity: int = -1):
+        self.path = library_path()
+        self.lib = _load(self.path)
+        if backend == "heap":  # the library's state outlives instances; tests start afresh
+            self.lib.arena_reset()
+        rc = self.lib.arena_init(1 if backend == "cuda" else 0, capacity)
+        if rc != 0:
+            raise RuntimeError(f"MEMO planned allocator: cannot open libcuda.so.1 (code {rc})")
+        self.backend = backend
+        self.ids: Dict[str, int] = {}
+        self.labels: Dict[int, str] = {}
+        self.installed = False
+
+    # ---- torch ---------------------------------------------------------------------------------
+    def install(self) -> None:
+        """Make this torch's CUDA allocator; only before the process's first CUDA allocation."""
+        pluggable = torch.cuda.memory.CUDAPluggableAllocator(str(self.path), "arena_malloc", "arena_free")
+        torch.cuda.memory.change_current_allocator(pluggable)
+        self.installed = True
+
+    # ---- plan ----------------------------------------------------------------------------------
+    def window_id(self, label: str) -> int:
+        if label not in self.ids:
+            self.ids[label] = len(self.ids)
+            self.labels[self.ids[label]] = label
+        return self.ids[label]
+
+    def load(self, windows: Dict[str, tuple]) -> int:
+        """Load every window's requests (MemoryPlan.windows: label -> (sizes, offsets)); reserve
+        the arena, each half as large as the largest window's planned extent. Returns that."""
+        half = max((max((o + s for s, o in zip(*w) if o >= 0), default=0) for w in windows.values()), default=0)
+        half = -(-half // 512) * 512
+        rc = self.lib.arena_reserve(half)
+        if rc != 0:
+            raise RuntimeError(f"MEMO planned allocator: cannot reserve 2 x {half} bytes (code {rc})")
+        for label, (sizes, offsets) in windows.items():
+            if self.lib.arena_set_window(self.window_id(label), len(sizes), _array(sizes), _array(offsets)) != 0:
+                raise RuntimeError(f"MEMO planned allocator: cannot load window {label}")
+        return half
+
+    # ---- windows -------------------------------------------------------------------------------
+    def begin(self, label: str) -> None:
+        self.lib.arena_begin(self.window_id(label), layer_half(label))
+
+    def end(self, label: str) -> None:
+        self.lib.arena_end(self.window_id(label))
+
+    def epoch(self) -> None:
+        self.lib.arena_epoch()
+
+    # ---- raw requests (tests drive the heap backend with them) ----------------------------------
+    def malloc(self, size: int) -> Optional[int]:
+        return self.lib.arena_malloc(size, 0, None)
+
+    def free(self, ptr: int, size: int) -> None:
+        self.lib.arena_free(ptr, size, 0, None)
+
+    @property
+    def base(self) -> int:
+        return self.lib.arena_base()
+
+    @property
+    def half_bytes(self) -> int:
+        return self.lib.arena_half_bytes()
+
+    # ---- counters and recording -----------------------------------------------------------------
+    def stats(self) -> Dict[str, int]:
+        out = (_I64 * len(STATS))()
+        self.lib.arena_stats(out)
+        return dict(zip(STATS, out))
+
+    def reset_peak(self) -> None:
+        self.lib.arena_reset_peak()
+
+    def empty_cache(self) -> None:
+        self.lib.arena_empty_cache()
+
+    def settle(self) -> None:
+        """All streams done: every pending free may be reused (called at an iteration's end)."""
+        self.lib.arena_settle()
+
+    def reset(self) -> None:
+        self.lib.arena_reset()
+
+    def record(self, on: bool) -> None:
+        self.lib.arena_record(1 if on else 0)
+
+    def recorded_trace(self) -> Trace:
+        """The recorded requests and window marks as a Trace (addresses named by generation)."""
+        n = self.lib.arena_events(None, 0)
+        raw = (_I64 * (3 * max(n, 1)))()
+        self.lib.arena_events(raw, n)
+        trace, names, generation = Trace(), {}, {}
+        for i in range(n):
+            kind, a, b = raw[3 * i], raw[3 * i + 1], raw[3 * i + 2]
+            if kind == 0:
+                generation[a] = generation.get(a, 0) + 1
+                names[a] = f"{a:x}.{generation[a]}"
+                trace.events.append(("malloc", names[a], b))
+            elif kind == 1 and a in names:
+                trace.events.append(("free", names.pop(a), b))
+            elif kind in (2, 3):
+                trace.mark(("begin " if kind == 2 else "end ") + self.labels.get(a, f"window{a}"))
+        return trace
+
+
+def install() -> "PlannedAllocator":
+    """Install the planned allocator as this process's CUDA allocator (once)."""
+    global INSTALLED
+    if INSTALLED is None:
+        allocator = PlannedAllocator("cuda")
+        allocator.install()
+        INSTALLED = allocator
+    return INSTALLED
+
+
+class WindowDriver:
+    """Turns the profiler's layer-window marks ("begin fwd L3", ...) into allocator windows.
+
+    Every window begin is a new epoch of the cache. On a GPU, before a window starts, the compute
+    stream waits for (a) the offload copies of the last forward that used the same arena half --
+    they may still read it -- and (b) every offload copy issued two or more epochs ago, so the
+    cache's pending frees from then may be handed out again. Offloads run on one stream in order:
+    waiting for the newest event covers every older one."""
+
+    def __init__(self, allocator: PlannedAllocator, memo=None):
+        self.allocator, self.memo = allocator, memo
+        self.epoch = 0
+        self.half_events = [None, None]  # per half: after the last forward's offload copies
+        self.events = []  # (epoch, event) after each forward's offload copies
+
+    def mark(self, label: str) -> None:
+        what, window = label.split(" ", 1)
+        half = layer_half(window)
+        if what == "begin":
+            self._order_after_offloads(half)
+            self.epoch += 1
+            self.allocator.epoch()
+            self.allocator.begin(window)
+        else:
+            self.allocator.end(window)
+            if window.startswith("fwd") and self.memo is not None and self.memo.cuda:
+                event = self.memo.offload_done_event()
+                self.half_events[half] = event
+                self.events.append((self.epoch, event))
+
+    def _order_after_offloads(self, half: int) -> None:
+        if self.memo is None or not self.memo.cuda:
+            return
+        stream = torch.cuda.current_stream(self.memo.device)
+        if self.half_events[half] is not None:
+            stream.wait_event(self.half_events[half])
+            self.half_events[half] = None
+        old = [e for epoch, e in self.events if epoch <= self.epoch - 1]  # epoch + 1 begins next
+        if old:
+            stream.wait_event(old[-1])
+            self.events = [(epoch, e) for epoch, e in self.events if epoch > self.epoch - 1]

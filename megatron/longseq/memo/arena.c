@@ -1,0 +1,444 @@
+/* MEMO's planned allocator (section 4.2, runtime side): a device allocator that replays the
+ * planner's offsets for the transient tensors of each layer window and serves everything else
+ * from a small caching allocator of its own.
+ *
+ * Loaded by torch as a CUDAPluggableAllocator (arena_malloc / arena_free), it replaces the caching
+ * allocator for the whole process, so it must be safe for every request:
+ *   - Inside a window (arena_begin .. arena_end, driven by hooks around each layer's forward and
+ *     backward), the k-th request of the window is checked against the plan's k-th entry: same
+ *     size and a planned offset -> the arena address; planned as outliving the window -> the
+ *     cache. A size that differs, or a planned range that overlaps a block still alive, ends the
+ *     replay for the rest of the window (counted) and the cache serves it: a divergence costs
+ *     memory, never correctness.
+ *   - The arena has two halves, used by even and odd layers (like MEMO's rounding buffers): a
+ *     layer's offload copies may still read its half while the next layer computes in the other.
+ *     Before a half is reused, the caller makes the compute stream wait for those copies.
+ *   - Cached blocks freed by the caller become reusable only two epochs later (arena_epoch, called
+ *     when the caller has ordered the compute stream after the previous epoch's side-stream
+ *     copies). When the backend is out of memory, the allocator synchronizes the device, reclaims
+ *     every pending and cached block and retries once (counted as a retry).
+ *   - With recording on, every malloc, free and window mark is appended to an event log: on a GPU
+ *     this is the job profiler's trace, windows included.
+ *
+ * The backend is libcuda's cuMemAlloc/cuMemFree/cuCtxSynchronize, opened at run time (no CUDA
+ * headers needed to build), or the C heap with an optional capacity: the same code, testable on
+ * a machine without a GPU.
+ */
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/types.h>
+
+#define ROUND 512 /* cache granularity: every cached block is a multiple of it */
+
+typedef struct {
+    char *ptr;
+    int64_t size;  /* rounded */
+    int64_t epoch; /* pending: freed in this epoch */
+} Block;
+
+typedef struct {
+    Block *items;
+    int64_t n, cap;
+} Blocks;
+
+typedef struct {
+    int64_t n;
+    int64_t *sizes;   /* requested bytes, in request order */
+    int64_t *offsets; /* offset inside a half, or -1: served by the cache */
+} Window;
+
+typedef struct {
+    int kind; /* 0 malloc, 1 free, 2 begin window, 3 end window */
+    int64_t a, b; /* malloc/free: address, bytes; marks: window id, layer parity */
+} Event;
+
+enum { MAX_WINDOWS = 4096 };
+
+/* torch calls the allocator from the main thread and from autograd's device thread: every entry
+ * point holds this lock (none calls another entry point). */
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+#define LOCK pthread_mutex_lock(&lock)
+#define UNLOCK pthread_mutex_unlock(&lock)
+
+/* ---- state ---------------------------------------------------------------------------------- */
+static int backend_cuda = 0;
+static int64_t heap_capacity = -1;  /* C heap backend: bytes it may hand out (-1: no limit) */
+static int64_t backend_bytes = 0;   /* held from the backend, arena included */
+static void *cuda_lib = NULL;
+static int (*cu_alloc)(uint64_t *, size_t) = NULL;
+static int (*cu_free)(uint64_t) = NULL;
+static int (*cu_sync)(void) = NULL;
+
+static Blocks cached = {0}, pending = {0}, live_cached = {0};
+static int64_t epoch = 0;
+
+static char *arena = NULL;
+static int64_t half_bytes = 0;
+static Window windows[MAX_WINDOWS];
+static Blocks live_arena = {0}; /* ptr/size of arena blocks handed out and not yet freed */
+
+static int active = -1;  /* window being replayed, -1: none */
+static int active_half = 0;
+static int64_t position = 0;
+static int diverged = 0;
+
+static int recording = 0;
+static Event *events = NULL;
+static int64_t n_events = 0, events_cap = 0;
+
+/* counters, read by arena_stats in this order */
+enum {
+    S_PLANNED, S_PLANNED_BYTES, S_CACHED_ALLOCS, S_CACHE_HITS, S_DIVERGED_WINDOWS, S_OVERLAPS,
+    S_RETRIES, S_FAILED, S_BACKEND_BYTES, S_ALLOCATED, S_PEAK_ALLOCATED, S_CACHED_FREE, S_PENDING,
+    S_WINDOWS_RUN, S_PEAK_BACKEND_BYTES, S_COUNT
+};
+static int64_t stats[S_COUNT];
+
+/* ---- small helpers ------------------------------------------------------------------------- */
+static int push(Blocks *bs, Block b) {
+    if (bs->n == bs->cap) {
+        int64_t cap = bs->cap ? 2 * bs->cap : 64;
+        Block *items = realloc(bs->items, cap * sizeof(Block));
+        if (!items) return -1;
+        bs->items = items;
+        bs->cap = cap;
+    }
+    bs->items[bs->n++] = b;
+    return 0;
+}
+
+static Block take_at(Blocks *bs, int64_t i) {
+    Block b = bs->items[i];
+    bs->items[i] = bs->items[--bs->n];
+    return b;
+}
+
+static int64_t find_ptr(const Blocks *bs, const char *ptr) {
+    for (int64_t i = 0; i < bs->n; i++)
+        if (bs->items[i].ptr == ptr) return i;
+    return -1;
+}
+
+static int64_t sum_sizes(const Blocks *bs) {
+    int64_t total = 0;
+    for (int64_t i = 0; i < bs->n; i++) total += bs->items[i].size;
+    return total;
+}
+
+static void record(int kind, int64_t a, int64_t b) {
+    if (!recording) return;
+    if (n_events == events_cap) {
+        int64_t cap = events_cap ? 2 * events_cap : 4096;
+        Event *e = realloc(events, cap * sizeof(Event));
+        if (!e) { recording = 0; return; }
+        events = e;
+        events_cap = cap;
+    }
+    events[n_events++] = (Event){kind, a, b};
+}
+
+/* ---- backend ------------------------------------------------------------------------------- */
+static char *backend_alloc(int64_t size) {
+    char *p;
+    if (backend_cuda) {
+        uint64_t dptr = 0;
+        if (cu_alloc(&dptr, (size_t)size) != 0) return NULL;
+        p = (char *)(uintptr_t)dptr;
+    } else {
+        if (heap_capacity >= 0 && backend_bytes + size > heap_capacity) return NULL;
+        p = malloc((size_t)size);
+        if (!p) return NULL;
+    }
+    backend_bytes += size;
+    if (backend_bytes > stats[S_PEAK_BACKEND_BYTES]) stats[S_PEAK_BACKEND_BYTES] = backend_bytes;
+    return p;
+}
+
+static void backend_free(char *p, int64_t size) {
+    if (backend_cuda) cu_free((uint64_t)(uintptr_t)p);
+    else free(p);
+    backend_bytes -= size;
+}
+
+static void backend_sync(void) {
+    if (backend_cuda) cu_sync();
+}
+
+int arena_init(int use_cuda, int64_t capacity) {
+    backend_cuda = use_cuda;
+    heap_capacity = capacity;
+    if (!use_cuda) return 0;
+    cuda_lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    if (!cuda_lib) return -1;
+    cu_alloc = (int (*)(uint64_t *, size_t))dlsym(cuda_lib, "cuMemAlloc_v2");
+    cu_free = (int (*)(uint64_t))dlsym(cuda_lib, "cuMemFree_v2");
+    cu_sync = (int (*)(void))dlsym(cuda_lib, "cuCtxSynchronize");
+    return (cu_alloc && cu_free && cu_sync) ? 0 : -2;
+}
+
+/* ---- the cache ----------------------------------------------------------------------------- */
+static void reclaim_pending(int64_t before_epoch) {
+    for (int64_t i = 0; i < pending.n;) {
+        if (pending.items[i].epoch < before_epoch) push(&cached, take_at(&pending, i));
+        else i++;
+    }
+}
+
+static void release_cached(void) {
+    for (int64_t i = 0; i < cached.n; i++) backend_free(cached.items[i].ptr, cached.items[i].size);
+    cached.n = 0;
+}
+
+static char *cache_alloc(int64_t size) {
+    int64_t rounded = (size + ROUND - 1) / ROUND * ROUND;
+    if (rounded == 0) rounded = ROUND;
+    int64_t best = -1;
+    /* best fit among blocks no more than 25% larger: a cached block is never split */
+    for (int64_t i = 0; i < cached.n; i++) {
+        int64_t s = cached.items[i].size;
+        if (s >= rounded && s <= rounded + rounded / 4 && (best < 0 || s < cached.items[best].size)) best = i;
+    }
+    Block b;
+    if (best >= 0) {
+        b = take_at(&cached, best);
+        stats[S_CACHE_HITS]++;
+    } else {
+        char *p = backend_alloc(rounded);
+        if (!p) { /* out of memory: wait for every stream, take back everything cached, retry */
+            stats[S_RETRIES]++;
+            backend_sync();
+            reclaim_pending(INT64_MAX);
+            release_cached();
+            p = backend_alloc(rounded);
+            if (!p) { stats[S_FAILED]++; return NULL; }
+        }
+        b = (Block){p, rounded, 0};
+    }
+    push(&live_cached, b);
+    stats[S_CACHED_ALLOCS]++;
+    return b.ptr;
+}
+
+/* ---- the arena ----------------------------------------------------------------------------- */
+static int overlaps_live(const char *p, int64_t size) {
+    for (int64_t i = 0; i < live_arena.n; i++) {
+        const Block *b = &live_arena.items[i];
+        if (p < b->ptr + b->size && b->ptr < p + size) return 1;
+    }
+    return 0;
+}
+
+static char *planned_alloc(int64_t size) {
+    Window *w = &windows[active];
+    if (diverged || position >= w->n || w->sizes[position] != size) {
+        if (!diverged) stats[S_DIVERGED_WINDOWS]++;
+        diverged = 1;
+        return NULL;
+    }
+    int64_t offset = w->offsets[position++];
+    if (offset < 0) return NULL; /* planned to outlive the window: the cache holds it */
+    char *p = arena + active_half * half_bytes + offset;
+    if (offset + size > half_bytes || overlaps_live(p, size)) {
+        stats[S_OVERLAPS]++;
+        stats[S_DIVERGED_WINDOWS]++;
+        diverged = 1;
+        return NULL;
+    }
+    push(&live_arena, (Block){p, size, 0});
+    stats[S_PLANNED]++;
+    stats[S_PLANNED_BYTES] += size;
+    return p;
+}
+
+static int reserve(int64_t bytes_per_half) {
+    if (live_arena.n) return -1; /* blocks still live in the old arena */
+    if (arena) backend_free(arena, 2 * half_bytes);
+    arena = NULL;
+    half_bytes = 0;
+    if (bytes_per_half <= 0) return 0;
+    arena = backend_alloc(2 * bytes_per_half);
+    if (!arena) return -2;
+    half_bytes = bytes_per_half;
+    return 0;
+}
+
+int arena_reserve(int64_t bytes_per_half) {
+    LOCK;
+    int rc = reserve(bytes_per_half);
+    UNLOCK;
+    return rc;
+}
+
+static int set_window(int id, int64_t n, const int64_t *sizes, const int64_t *offsets) {
+    if (id < 0 || id >= MAX_WINDOWS) return -1;
+    Window *w = &windows[id];
+    free(w->sizes);
+    free(w->offsets);
+    w->sizes = malloc((n ? n : 1) * sizeof(int64_t));
+    w->offsets = malloc((n ? n : 1) * sizeof(int64_t));
+    if (!w->sizes || !w->offsets) return -2;
+    memcpy(w->sizes, sizes, n * sizeof(int64_t));
+    memcpy(w->offsets, offsets, n * sizeof(int64_t));
+    w->n = n;
+    return 0;
+}
+
+int arena_set_window(int id, int64_t n, const int64_t *sizes, const int64_t *offsets) {
+    LOCK;
+    int rc = set_window(id, n, sizes, offsets);
+    UNLOCK;
+    return rc;
+}
+
+void arena_begin(int id, int half) {
+    LOCK;
+    active = (arena && id >= 0 && id < MAX_WINDOWS && windows[id].sizes) ? id : -1;
+    active_half = half & 1;
+    position = 0;
+    diverged = 0;
+    if (active >= 0) stats[S_WINDOWS_RUN]++;
+    record(2, id, half);
+    UNLOCK;
+}
+
+void arena_end(int id) {
+    LOCK;
+    /* a layer's backward begins (hook on its output's gradient) just before the next layer's
+     * ends (hook on the same tensor, registered later): ending that one leaves the new one on */
+    if (active == id) active = -1;
+    record(3, id, 0);
+    UNLOCK;
+}
+
+void arena_epoch(void) {
+    LOCK;
+    epoch++;
+    reclaim_pending(epoch - 1); /* freed two or more epochs ago */
+    UNLOCK;
+}
+
+/* ---- the pluggable allocator's entry points -------------------------------------------------- */
+void *arena_malloc(ssize_t size, int device, void *stream) {
+    (void)device;
+    (void)stream;
+    LOCK;
+    char *p = active >= 0 ? planned_alloc(size) : NULL;
+    if (!p) p = cache_alloc(size);
+    if (p) {
+        stats[S_ALLOCATED] += size;
+        if (stats[S_ALLOCATED] > stats[S_PEAK_ALLOCATED]) stats[S_PEAK_ALLOCATED] = stats[S_ALLOCATED];
+        record(0, (int64_t)(uintptr_t)p, size);
+    }
+    UNLOCK;
+    return p;
+}
+
+void arena_free(void *ptr, ssize_t size, int device, void *stream) {
+    (void)device;
+    (void)stream;
+    char *p = ptr;
+    if (!p) return;
+    LOCK;
+    record(1, (int64_t)(uintptr_t)p, size);
+    stats[S_ALLOCATED] -= size;
+    int64_t i = find_ptr(&live_arena, p);
+    if (i >= 0) { /* the arena's memory is the plan's: nothing to give back */
+        take_at(&live_arena, i);
+    } else if ((i = find_ptr(&live_cached, p)) >= 0) {
+        Block b = take_at(&live_cached, i);
+        b.epoch = epoch;
+        push(&pending, b);
+    } /* else: never handed out by us; ignored rather than corrupt the cache */
+    UNLOCK;
+}
+
+/* ---- introspection --------------------------------------------------------------------------- */
+int64_t arena_stat_count(void) { return S_COUNT; }
+
+void arena_stats(int64_t *out) {
+    LOCK;
+    stats[S_BACKEND_BYTES] = backend_bytes;
+    stats[S_CACHED_FREE] = sum_sizes(&cached);
+    stats[S_PENDING] = sum_sizes(&pending);
+    memcpy(out, stats, sizeof(stats));
+    UNLOCK;
+}
+
+void arena_reset_peak(void) {
+    LOCK;
+    stats[S_PEAK_ALLOCATED] = stats[S_ALLOCATED];
+    stats[S_PEAK_BACKEND_BYTES] = backend_bytes;
+    UNLOCK;
+}
+
+int64_t arena_base(void) { return (int64_t)(uintptr_t)arena; }
+
+int64_t arena_half_bytes(void) { return half_bytes; }
+
+void arena_record(int on) {
+    LOCK;
+    recording = on;
+    if (on) n_events = 0;
+    UNLOCK;
+}
+
+int64_t arena_events(int64_t *out, int64_t max_events) {
+    /* out: kind, a, b per event; returns the number of events (copies at most max_events) */
+    LOCK;
+    int64_t n = n_events < max_events ? n_events : max_events;
+    for (int64_t i = 0; i < n; i++) {
+        out[3 * i] = events[i].kind;
+        out[3 * i + 1] = events[i].a;
+        out[3 * i + 2] = events[i].b;
+    }
+    int64_t total = n_events;
+    UNLOCK;
+    return total;
+}
+
+/* Wait for every stream; then every pending block may be reused (an iteration's end). */
+void arena_settle(void) {
+    LOCK;
+    backend_sync();
+    reclaim_pending(INT64_MAX);
+    UNLOCK;
+}
+
+/* Forget everything: windows, counters, the trace, and every block, also those still handed
+ * out (their owners must be gone: for tests and for a process that has finished with the GPU). */
+void arena_reset(void) {
+    LOCK;
+    backend_sync();
+    reclaim_pending(INT64_MAX);
+    for (int64_t i = 0; i < live_cached.n; i++) push(&cached, live_cached.items[i]);
+    live_cached.n = 0;
+    release_cached();
+    live_arena.n = 0;
+    if (arena) backend_free(arena, 2 * half_bytes);
+    arena = NULL;
+    half_bytes = 0;
+    for (int i = 0; i < MAX_WINDOWS; i++) {
+        free(windows[i].sizes);
+        free(windows[i].offsets);
+        windows[i] = (Window){0, NULL, NULL};
+    }
+    active = -1;
+    epoch = 0;
+    recording = 0;
+    n_events = 0;
+    memset(stats, 0, sizeof(stats));
+    UNLOCK;
+}
+
+/* Give every cached block back to the backend (all streams synchronized first). */
+void arena_empty_cache(void) {
+    LOCK;
+    backend_sync();
+    reclaim_pending(INT64_MAX);
+    release_cached();
+    UNLOCK;
+}

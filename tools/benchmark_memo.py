@@ -1,0 +1,117 @@
+"""MEMO on one GPU: the longest sequence and its MFU under MEMO, full recomputation and no
+recomputation, and the allocator's fragmentation with and without the planned allocator.
+
+    python tools/benchmark_memo.py                          # 7B-shaped layers, 4 of them, bf16
+    python tools/benchmark_memo.py --seq-lengths 65536 131072 262144 --modes memo full
+
+The model has Llama-2-7B's layer shape (h 4096, 32 heads, SwiGLU 11008, RMSNorm, RoPE) and
+--num-layers of them, so that parameters and optimizer state fit beside the activations. For every
+mode the sequence lengths are tried in increasing order until one runs out of memory; each run is
+pretrain_gpt.py on mock data, micro-batch 1, --iters iterations of which --warmup are dropped.
+Fragmentation is read from the memory line printed at the end of a run: reserved minus allocated
+and the allocator's retries, for MEMO with torch's caching allocator and with the planned one.
+Prints markdown tables with device, date and the exact command of every row.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmark_gpt import device_name, parse  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA = ("--swiglu --normalization RMSNorm --position-embedding-type rope --disable-bias-linear "
+         "--untie-embeddings-and-output-weights")
+SHAPES = {
+    "7b": f"--hidden-size 4096 --num-attention-heads 32 --ffn-hidden-size 11008 --vocab-size 32000 {LLAMA}",
+    "tiny": f"--hidden-size 128 --num-attention-heads 4 --ffn-hidden-size 344 --vocab-size 1000 {LLAMA}",  # a CPU check
+}
+MODES = {
+    "none": "",
+    "full": "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
+    "memo": "--memo --memo-swap-fraction auto --memo-planner gurobi",
+    "memo-planned": "--memo --memo-swap-fraction auto --memo-planner gurobi --memo-allocator planned",
+}
+MEMORY = re.compile(r"memory \(MB\) \| allocated: ([0-9.]+) \| max allocated: ([0-9.]+) \| "
+                    r"reserved: ([0-9.]+) \| max reserved: ([0-9.]+) \| alloc retries: (\d+)")
+
+
+def command(args, mode: str, seq: int):
+    flags = (f"{SHAPES[args.shape]} --num-layers {args.num_layers} --seq-length {seq} --max-position-embeddings {seq} "
+             f"--micro-batch-size 1 --global-batch-size 1 --train-iters {args.iters} --lr 1e-4 "
+             f"--lr-warmup-iters 0 --hidden-dropout 0 --attention-dropout 0 --mock-data "
+             f"--tokenizer-type NullTokenizer --log-interval 1 --log-throughput --eval-iters 0 "
+             f"--timing-log-level 1 {MODES[mode]}").split()
+    if args.bf16:
+        flags.append("--bf16")
+    return [sys.executable, str(ROOT / "pretrain_gpt.py")] + flags + args.extra
+
+
+def run(args, mode: str, seq: int):
+    """(metrics or None, out of memory?, fragmentation dict or None, command)."""
+    cmd = command(args, mode, seq)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
+                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    text = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        oom = "out of memory" in text.lower()
+        if not oom:
+            print(text[-3000:], file=sys.stderr)
+        return None, oom, None, cmd
+    ends = MEMORY.findall(proc.stdout)
+    frag = None
+    if ends:
+        allocated, _, reserved, max_reserved, retries = ends[-1]
+        frag = {"allocated": float(allocated), "reserved": float(reserved), "max reserved": float(max_reserved),
+                "retries": int(retries)}
+    return parse(proc.stdout, args.warmup), False, frag, cmd
+
+
+def shown(cmd) -> str:
+    return " ".join(shlex.quote(c) for c in cmd[1:]).replace(str(ROOT) + "/", "")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="7b")
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--no-bf16", dest="bf16", action="store_false")
+    p.add_argument("--seq-lengths", type=int, nargs="+", default=[32768, 65536, 131072, 262144, 524288])
+    p.add_argument("--modes", nargs="+", choices=sorted(MODES), default=["none", "full", "memo", "memo-planned"])
+    p.add_argument("--iters", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("extra", nargs="*", help="more pretrain_gpt.py flags (after --)")
+    args = p.parse_args(argv)
+    print(f"device: {device_name()} | date: {datetime.date.today()} | {args.num_layers} layers of {args.shape} shape | "
+          f"{'bf16' if args.bf16 else 'fp32'}")
+    print("| mode | seq | MFU | TFLOP/s/GPU | ms/iter | reserved - allocated (MB) | alloc retries | command |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    longest = {}
+    for mode in args.modes:
+        for seq in sorted(args.seq_lengths):
+            res, oom, frag, cmd = run(args, mode, seq)
+            if res is None:
+                print(f"| {mode} | {seq} | {'out of memory' if oom else 'failed'} | | | | | `{shown(cmd)}` |", flush=True)
+                break
+            longest[mode] = seq
+            mfu = f"{res['mfu']:.1f}%" if res["mfu"] is not None else "n/a"
+            gap = f"{frag['reserved'] - frag['allocated']:.0f}" if frag else "n/a"
+            retries = frag["retries"] if frag else "n/a"
+            print(f"| {mode} | {seq} | {mfu} | {res['tflops']:.1f} | {res['ms']:.0f} | {gap} | {retries} | "
+                  f"`{shown(cmd)}` |", flush=True)
+    print()
+    print("| mode | longest sequence that ran |")
+    print("| --- | --- |")
+    for mode in args.modes:
+        print(f"| {mode} | {longest.get(mode, 'none')} |")
+
+
+if __name__ == "__main__":
+    main()
