@@ -29,7 +29,6 @@ def profile_model(model_flags, save_trace=None) -> Trace:
 
     import pretrain_gpt
     from megatron.longseq.memo.profiler import trace_iteration
-    from megatron.longseq.memo.runtime import Memo
     from megatron.training.initialize import initialize_distributed
     from megatron.training.model import unwrap
     from megatron.training.tokenizer import build_tokenizer
@@ -43,10 +42,11 @@ def profile_model(model_flags, save_trace=None) -> Trace:
     state = setup(args, pgs, pretrain_gpt.model_provider)
     model = unwrap(state.model)[0]
     layers = list(model.decoder.layers)
-    if args.memo:
+    from megatron.training.memo_setup import _synthetic_batches, wrap_model
+
+    if args.memo:  # as the trainer wraps them (the last two layers keep their activations)
         alpha = 0.5 if args.memo_swap_fraction == "auto" else float(args.memo_swap_fraction)
-        Memo(alpha, torch.device("cpu"), {state.optimizer.buffer.param_data.untyped_storage().data_ptr()}).wrap(model.decoder.layers)
-    from megatron.training.memo_setup import _synthetic_batches
+        wrap_model(state, alpha, torch.device("cpu"))
 
     batch = next(_synthetic_batches(args, pgs))
     trace = trace_iteration(lambda: _loss(model, batch).backward(), layers, torch.device("cpu"))
@@ -86,7 +86,9 @@ def main(argv=None):
             continue
         print(f"level 1 {label}: {level1['solver']} peak {level1['peak']} B, bound {level1['lower_bound']} B, "
               f"optimal {level1['optimal']}, {level1['seconds']} s {'; '.join(level1['notes'])}")
-    print(f"level 2: {s['level2']['solver']} peak {s['level2']['peak']} B, {s['level2']['seconds']} s")
+    l2 = s["level2"]
+    print(f"level 2: {l2['solver']} peak {l2['peak']} B, bound {l2['lower_bound']} B, optimal {l2['optimal']}, "
+          f"{l2['seconds']} s {'; '.join(l2['notes'])}")
     print(f"plan: peak {plan.peak} B, lower bound {plan.lower_bound} B (+{100 * s['gap']:.2f}%)")
     if args.out:
         plan.save(args.out)
