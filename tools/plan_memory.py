@@ -29,7 +29,9 @@ def profile_model(model_flags, save_trace=None) -> Trace:
 
     import pretrain_gpt
     from megatron.longseq.memo.profiler import trace_iteration
+    from megatron.training.data import random_batches
     from megatron.training.initialize import initialize_distributed
+    from megatron.training.memo_setup import wrap_model
     from megatron.training.model import unwrap
     from megatron.training.tokenizer import build_tokenizer
     from megatron.training.training import parse_and_validate, setup
@@ -42,13 +44,10 @@ def profile_model(model_flags, save_trace=None) -> Trace:
     state = setup(args, pgs, pretrain_gpt.model_provider)
     model = unwrap(state.model)[0]
     layers = list(model.decoder.layers)
-    from megatron.training.memo_setup import _synthetic_batches, wrap_model
-
-    if args.memo:  # as the trainer wraps them (the last two layers keep their activations)
+    if args.memo:  # as the trainer: the last two layers keep their activations and get no window
         alpha = 0.5 if args.memo_swap_fraction == "auto" else float(args.memo_swap_fraction)
-        wrap_model(state, alpha, torch.device("cpu"))
-
-    batch = next(_synthetic_batches(args, pgs))
+        _, layers = wrap_model(state, alpha, torch.device("cpu"))
+    batch = next(random_batches(args, pgs, seed=12345))
     trace = trace_iteration(lambda: _loss(model, batch).backward(), layers, torch.device("cpu"))
     if save_trace:
         trace.save(save_trace)

@@ -82,5 +82,23 @@ def build_loader(dataset, consumed_samples: int, args, pgs) -> Optional[Iterator
     return iter(loader)
 
 
+def random_batches(args, pgs, seed: int) -> Iterator[Dict[str, torch.Tensor]]:
+    """Endless micro-batches of random tokens with the run's shapes, each rank holding its share
+    of every segment in its attention mode's order: for profiling and tests, from its own
+    generator so the run's data position and RNG streams stay untouched."""
+    g = torch.Generator().manual_seed(seed)
+    idx = None
+    if pgs.size("cp") > 1:
+        idx = segmented_token_indices(args.segment_lengths, pgs.size("hp"), pgs.size("ring"),
+                                      pgs.index("hp"), pgs.index("ring"))
+    while True:
+        # [b, s + 1]: inputs and next-token labels from one draw
+        tokens = torch.randint(0, args.padded_vocab_size - 1, (args.micro_batch_size, args.seq_length + 1), generator=g)
+        batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
+                 "loss_mask": torch.ones(args.micro_batch_size, args.seq_length),
+                 "position_ids": torch.arange(args.seq_length).expand(args.micro_batch_size, -1)}
+        yield batch if idx is None else {k: v[:, idx] for k, v in batch.items()}
+
+
 def to_device(batch: Dict[str, torch.Tensor], device: torch.device) -> Dict[str, torch.Tensor]:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}

@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron.longseq.attention.placement import segmented_token_indices
 from megatron.longseq.memo import allocator
 from megatron.longseq.memo.allocator import WindowDriver
 from megatron.longseq.memo.alpha import HostMemoryError, solve_alpha
@@ -18,6 +17,7 @@ from megatron.longseq.memo.profiler import bandwidth, mark_layer_windows, profil
 from megatron.longseq.memo.runtime import Memo
 from megatron.longseq.pipeline.plan import rank_schedule
 from megatron.longseq.pipeline.seq1f1b import forward_backward_seq1f1b
+from megatron.training.data import random_batches
 from megatron.training.metrics import print_rank_0
 from megatron.training.model import unwrap
 
@@ -31,20 +31,6 @@ def units_in_flight(args, stage: int) -> int:
         live += 1 if op.kind == "F" else -1
         peak = max(peak, live)
     return max(1, -(-peak // args.virtual_pipeline_chunks))
-
-
-def _synthetic_batches(args, pgs):
-    g = torch.Generator().manual_seed(12345)
-    while True:
-        tokens = torch.randint(0, args.padded_vocab_size - 1, (args.micro_batch_size, args.seq_length + 1), generator=g)
-        batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
-                 "loss_mask": torch.ones(args.micro_batch_size, args.seq_length),
-                 "position_ids": torch.arange(args.seq_length).expand(args.micro_batch_size, -1)}
-        if pgs.size("cp") > 1:
-            idx = segmented_token_indices(args.segment_lengths, pgs.size("hp"), pgs.size("ring"),
-                                          pgs.index("hp"), pgs.index("ring"))
-            batch = {k: v[:, idx] for k, v in batch.items()}
-        yield batch
 
 
 def _agree(value: float, op, group) -> float:
@@ -68,7 +54,7 @@ def wrap_model(state, alpha: float, device) -> tuple:
 
 def setup_memo(args, pgs, state, forward_step_func, device) -> Memo:
     memo, layers = wrap_model(state, 1.0, device)
-    data = _synthetic_batches(args, pgs)
+    data = random_batches(args, pgs, seed=12345)
 
     def one_iteration():
         forward_backward_seq1f1b(forward_step_func=forward_step_func, data_iterator=data, model=state.model,

@@ -81,3 +81,34 @@ def test_bilevel_plan_of_real_layer_traces(alpha):
         if level1["optimal"] and level1["solver"] != "greedy":
             assert level1["peak"] <= 1.05 * level1["lower_bound"]
     assert summary["level2"]["seconds"] < 60
+
+
+def test_plan_memory_tool_profiles_plans_and_draws(tmp_path):
+    """tools/plan_memory.py (its own process: it builds its own world) on a model, then on the
+    trace it saved: the same plan."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from megatron.longseq.memo.planner import load_plan_summary
+
+    tool = str(Path(__file__).resolve().parents[3] / "tools" / "plan_memory.py")
+    model = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --micro-batch-size 1 "
+             "--train-iters 1 --lr 1e-4 --mock-data --tokenizer-type NullTokenizer --vocab-size 100 "
+             "--hidden-dropout 0 --memo --memo-swap-fraction 0.5").split()
+    out, png, trace = tmp_path / "plan.json", tmp_path / "plan.png", tmp_path / "trace.json"
+
+    def run(*flags):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MASTER_")}  # not this process's world
+        proc = subprocess.run([sys.executable, tool, *flags], capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "plan: peak" in proc.stdout
+        return load_plan_summary(str(out))
+
+    first = run("--planner", "cpsat", "--out", str(out), "--png", str(png), "--save-trace", str(trace), "--", *model)
+    assert png.stat().st_size > 10_000
+    assert set(first["windows"]) == {"fwd L1", "fwd L2", "bwd L1", "bwd L2"}  # the last two keep theirs
+    assert first["peak_bytes"] >= first["lower_bound_bytes"] > 0
+    again = run("--trace", str(trace), "--planner", "cpsat", "--out", str(out))
+    assert again["peak_bytes"] == first["peak_bytes"] and again["windows"] == first["windows"]

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron.longseq.attention.placement import segmented_token_indices
 from megatron.longseq.pipeline.seq1f1b import forward_backward_seq1f1b
+from megatron.training.data import random_batches
 from megatron.training.init import global_name
 from megatron.training.memo_setup import wrap_model
 from megatron.training.model import build_model_chunks, unwrap
@@ -19,21 +19,6 @@ MODEL = ("--num-layers 8 --group-query-attention --num-query-groups 2 --position
          "--swiglu --normalization RMSNorm --disable-bias-linear --global-batch-size 4")
 
 
-def batches(args, pgs):
-    """Two micro-batches; each rank keeps its context-parallel share of every segment."""
-    g = torch.Generator().manual_seed(0)
-    for _ in range(args.num_microbatches):
-        tokens = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length + 1), generator=g)
-        batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
-                 "loss_mask": torch.ones(args.micro_batch_size, args.seq_length),
-                 "position_ids": torch.arange(args.seq_length).expand(args.micro_batch_size, -1)}
-        if pgs.size("cp") > 1:
-            idx = segmented_token_indices(args.segment_lengths, pgs.size("hp"), pgs.size("ring"),
-                                          pgs.index("hp"), pgs.index("ring"))
-            batch = {k: v[:, idx] for k, v in batch.items()}
-        yield batch
-
-
 def one_iteration(args, pgs):
     """Loss sum/count (last stage, else None), gradients by global name, peak activation bytes."""
     import pretrain_gpt
@@ -43,7 +28,7 @@ def one_iteration(args, pgs):
     if args.memo:  # the runtime alone, at the forced alpha (the trainer's profile/plan aside)
         memo, managed = wrap_model(state, float(args.memo_swap_fraction), torch.device("cpu"))
     reports = forward_backward_seq1f1b(
-        forward_step_func=pretrain_gpt.forward_step, data_iterator=batches(args, pgs), model=state.model,
+        forward_step_func=pretrain_gpt.forward_step, data_iterator=random_batches(args, pgs, seed=0), model=state.model,
         num_microbatches=args.num_microbatches, micro_batch_size=args.micro_batch_size,
         p2p_communicator=state.pipeline)
     if memo is not None and managed:  # MEMO did take part: every managed forward went through it
