@@ -104,6 +104,7 @@ class Memo:
         self.last: Optional[LayerState] = None  # the previous managed layer of the running forward
         self.host_bytes = 0  # host memory held now by layers waiting for their backward
         self.allocator = None  # the planned allocator (allocator.py), when it serves this run
+        self.window_handles: list = []  # hooks that mark the allocator's layer windows
         self.reset_stats()
 
     def reset_stats(self) -> None:
