@@ -12,6 +12,8 @@ setup(
     python_requires=">=3.10",
     packages=find_namespace_packages(include=["megatron.training*", "megatron.longseq*"]),
     py_modules=["pretrain_gpt"],
+    # the planned allocator's C source, compiled on first use (memo/allocator.py)
+    package_data={"megatron.longseq.memo": ["arena.c"]},
     install_requires=[
         "torch>=2.4",
         "megatron-core>=0.16.1,<0.17",
