@@ -106,14 +106,12 @@ class PlannedAllocator:
         self.backend = backend
         self.ids: Dict[str, int] = {}
         self.labels: Dict[int, str] = {}
-        self.installed = False
 
     # ---- torch ---------------------------------------------------------------------------------
     def install(self) -> None:
         """Make this torch's CUDA allocator; only before the process's first CUDA allocation."""
         pluggable = torch.cuda.memory.CUDAPluggableAllocator(str(self.path), "arena_malloc", "arena_free")
         torch.cuda.memory.change_current_allocator(pluggable)
-        self.installed = True
 
     # ---- plan ----------------------------------------------------------------------------------
     def window_id(self, label: str) -> int:
