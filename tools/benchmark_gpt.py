@@ -76,6 +76,11 @@ def run(args, seq: int):
     return None, True, cmd
 
 
+def shown(cmd) -> str:
+    """The command of a table row: the script and its flags, paths relative to the repository."""
+    return " ".join(shlex.quote(c) for c in cmd[1:]).replace(str(ROOT) + "/", "")
+
+
 def device_name() -> str:
     import torch
 
@@ -98,13 +103,12 @@ def main(argv=None):
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for seq in args.seq_lengths:
         res, recompute, cmd = run(args, seq)
-        shown = " ".join(shlex.quote(c) for c in cmd[1:]).replace(str(ROOT) + "/", "")
         if res is None:
-            print(f"| {seq} | failed | | | | {'full' if recompute else 'none'} | `{shown}` |")
+            print(f"| {seq} | failed | | | | {'full' if recompute else 'none'} | `{shown(cmd)}` |")
             continue
         mfu = f"{res['mfu']:.1f}%" if res["mfu"] is not None else "n/a"
         print(f"| {seq} | {res['tokens']:.0f} | {res['tflops']:.1f} | {mfu} | {res['ms']:.0f} | "
-              f"{'full' if recompute else 'none'} | `{shown}` |", flush=True)
+              f"{'full' if recompute else 'none'} | `{shown(cmd)}` |", flush=True)
 
 
 if __name__ == "__main__":

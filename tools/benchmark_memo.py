@@ -18,13 +18,12 @@ import argparse
 import datetime
 import os
 import re
-import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark_gpt import device_name, parse  # noqa: E402
+from benchmark_gpt import device_name, parse, shown  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = ("--swiglu --normalization RMSNorm --position-embedding-type rope --disable-bias-linear "
@@ -72,10 +71,6 @@ def run(args, mode: str, seq: int):
         frag = {"allocated": float(allocated), "reserved": float(reserved), "max reserved": float(max_reserved),
                 "retries": int(retries)}
     return parse(proc.stdout, args.warmup), False, frag, cmd
-
-
-def shown(cmd) -> str:
-    return " ".join(shlex.quote(c) for c in cmd[1:]).replace(str(ROOT) + "/", "")
 
 
 def main(argv=None):

@@ -8,7 +8,7 @@ import pytest
 from megatron.training.passkey import CHANCE_LOSS
 from tests.functional_tests.cases import BY_NAME, CASES, TRAIN_ITERS
 from tests.functional_tests.run import ROOT, load_golden, run_case
-from tests.unit_tests.dist_utils import free_port
+from tests.unit_tests.dist_utils import child_env, free_port
 
 # Same machine, same session: a parallel layout differs from one rank only by the order of fp32
 # reductions (tp all-reduce of partial GEMMs, dp gradient averaging, sharded Adam). Measured over
@@ -93,7 +93,7 @@ def test_memo_plan_over_the_host_budget_is_refused_before_training():
     # four layers: MEMO manages all but the last two, so two layers hold host copies
     flags = bad_command(["--num-layers", "4"]) + ["--memo", "--memo-host-memory-gb", "0.00001"]
     proc = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py")] + flags,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=child_env())
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "host memory" in lines[0] and "--memo-host-memory-gb allows" in lines[0], proc.stderr

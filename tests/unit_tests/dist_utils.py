@@ -39,6 +39,12 @@ def run_ranks(fn, world_size: int, *args) -> None:
                        join=True, start_method="spawn")
 
 
+def child_env() -> dict:
+    """The environment for a child process that builds its own world: without this process's
+    MASTER_ADDR/MASTER_PORT (set by init_single_rank_world, its port still held here)."""
+    return {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+
+
 def init_single_rank_world() -> None:
     """A gloo world of one in this process (idempotent), with megatron-core's parallel state."""
     if dist.is_initialized():

@@ -42,7 +42,7 @@ def profile_sizes(memo, run_microbatch: Callable[[], None], layers: List[torch.n
     on a pipeline stage that manages no layer. Every rank must call it: the iteration communicates."""
     from megatron.longseq.memo import runtime
 
-    seen: List[runtime.LayerState] = []
+    first: List[runtime.LayerState] = []  # the first managed forward: its input times the layer
     sizes: List[tuple] = []
     original = runtime.LayerState.forward
 
@@ -50,7 +50,8 @@ def profile_sizes(memo, run_microbatch: Callable[[], None], layers: List[torch.n
         out = original(self)
         # read now: under a pipeline schedule this layer's backward (which frees the host copies)
         # may run before the iteration ends
-        seen.append(self)
+        if not first:
+            first.append(self)
         sizes.append(_layer_sizes(self))
         return out
 
@@ -61,10 +62,10 @@ def profile_sizes(memo, run_microbatch: Callable[[], None], layers: List[torch.n
     finally:
         runtime.LayerState.forward = original
         memo.alpha = alpha
-    if not seen:
+    if not first:
         return None
     fixed, other = max(sizes, key=lambda s: s[0] + s[1])[:2], max(s[2] for s in sizes)
-    return LayerProfile(fixed[0], fixed[1], other, _forward_seconds(layers[0], seen[0], device))
+    return LayerProfile(fixed[0], fixed[1], other, _forward_seconds(layers[0], first[0], device))
 
 
 def _layer_sizes(state) -> tuple:

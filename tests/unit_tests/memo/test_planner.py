@@ -9,7 +9,7 @@ from megatron.longseq.memo.planner import bilevel_plan
 from megatron.longseq.memo.profiler import trace_iteration
 from megatron.longseq.memo.runtime import Memo
 from megatron.longseq.memo.trace import AllocationTracer, Trace
-from tests.unit_tests.dist_utils import grid_groups, init_single_rank_world
+from tests.unit_tests.dist_utils import child_env, grid_groups, init_single_rank_world
 from tests.unit_tests.model_utils import lm_loss, tiny_args, tiny_gpt
 
 
@@ -86,7 +86,6 @@ def test_bilevel_plan_of_real_layer_traces(alpha):
 def test_plan_memory_tool_profiles_plans_and_draws(tmp_path):
     """tools/plan_memory.py (its own process: it builds its own world) on a model, then on the
     trace it saved: the same plan."""
-    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -100,8 +99,8 @@ def test_plan_memory_tool_profiles_plans_and_draws(tmp_path):
     out, png, trace = tmp_path / "plan.json", tmp_path / "plan.png", tmp_path / "trace.json"
 
     def run(*flags):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MASTER_")}  # not this process's world
-        proc = subprocess.run([sys.executable, tool, *flags], capture_output=True, text=True, timeout=300, env=env)
+        proc = subprocess.run([sys.executable, tool, *flags], capture_output=True, text=True, timeout=300,
+                              env=child_env())
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert "plan: peak" in proc.stdout
         return load_plan_summary(str(out))
