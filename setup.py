@@ -28,7 +28,8 @@ setup(
         "matplotlib",  # timelines and plans drawn by tools/
     ],
     extras_require={
-        "gpu": ["transformer-engine[pytorch]", "flash-attn"],
+        # flash-attn: the private interface FlashAttnKernel calls (kernels.FLASH_ATTN_SUPPORTED)
+        "gpu": ["transformer-engine[pytorch]", "flash-attn>=2.7.0,<2.9"],
         "test": ["pytest"],
     },
 )

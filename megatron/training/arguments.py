@@ -35,13 +35,8 @@ UNSUPPORTED = {
 # behaviour that is always on). Accepted so existing scripts run unchanged.
 NO_OP = (
     "--use-mcore-models",
-    "--no-gradient-accumulation-fusion",
-    "--no-masked-softmax-fusion",
-    "--no-bias-gelu-fusion",
-    "--no-bias-swiglu-fusion",
-    "--no-bias-dropout-fusion",
-    "--no-rope-fusion",
-    "--no-persist-layer-norm",
+    "--no-rope-fusion",  # RoPE is ours (core attention, from position ids), never megatron-core's fused one
+    "--no-persist-layer-norm",  # the norms are ours, not apex's persistent LayerNorm
     "--no-async-tensor-model-parallel-allreduce",
     "--accumulate-allreduce-grads-in-fp32",  # always on with --bf16
     "--use-cpu-initialization",  # always on: identical weights for every tp size
@@ -166,7 +161,14 @@ def _training(p):
                    help="with --recompute-granularity full, keep attention (out, lse) instead of "
                         "recomputing it (LoongTrain's Selective Checkpoint++)")
     g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local")
-    g.add_argument("--attention-backend", choices=["flash", "fused", "unfused", "local", "auto"], default="auto")
+    g.add_argument("--attention-backend", choices=["flash", "fused", "unfused", "local", "auto"], default="auto",
+                   help="the local attention kernel (under every context-parallel mode). CPU: torch's CPU "
+                        "flash kernel, or the fp32 reference for unfused/local. GPU, fp16/bf16: auto = on "
+                        "Hopper/Blackwell torch's cuDNN attention (flash-attn or torch's flash kernel where "
+                        "cuDNN cannot: head dim > 128, --deterministic-mode), elsewhere flash-attn if "
+                        "installed else torch's flash kernel; flash = flash-attn if installed else torch's "
+                        "flash kernel; fused = cuDNN attention. GPU fp32: torch's memory-efficient kernel. "
+                        "unfused/local: the fp32 reference. The log names the kernel that ran.")
     g.add_argument("--deterministic-mode", action="store_true")
     g.add_argument("--exit-interval", type=int)
 
@@ -201,6 +203,24 @@ def _checkpoint_and_logging(p):
                    help="peak dense TFLOP/s of one device for MFU (default: by device name)")
 
 
+def _fusions(p):
+    g = p.add_argument_group("fusions (on GPU, as Megatron enables them; on CPU every op is unfused)")
+    for name, what in (("gradient-accumulation", "weight-gradient GEMMs accumulate into main_grad (apex's "
+                        "fused_weight_gradient_mlp_cuda or Transformer Engine; off where neither is installed)"),
+                       ("bias-dropout", "bias + dropout + residual add, torch.compile'd (off with --memo)"),
+                       ("bias-gelu", "bias + GELU, torch.compile'd (off with --memo)"),
+                       ("bias-swiglu", "bias + SwiGLU, torch.compile'd (off with --memo)"),
+                       ("masked-softmax", "megatron-core's fused masked softmax (its DotProductAttention only: "
+                        "our core attention never calls it)")):
+        g.add_argument(f"--no-{name}-fusion", dest=f"{name.replace('-', '_')}_fusion", action="store_false",
+                       help=f"unfused: {what}")
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true", default=None,
+                   help="megatron-core's fused vocab-parallel cross entropy: the default on GPU with --bf16 "
+                        "(Megatron: off); its backward hands bf16 logit gradients, so never with fp32")
+    g.add_argument("--no-cross-entropy-loss-fusion", dest="cross_entropy_loss_fusion", action="store_false")
+    g.add_argument("--cross-entropy-fusion-impl", choices=["native", "te"], default="native")
+
+
 def _compat(p):
     g = p.add_argument_group("compatibility (accepted, no effect here)")
     for flag in NO_OP:
@@ -216,7 +236,7 @@ def _unsupported_dest(flag: str) -> str:
 
 def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     parser = _Parser(prog="pretrain_gpt.py", description="Megatron-LongSeq GPT pretraining", allow_abbrev=False)
-    for add in (_model, _parallel, _data, _training, _checkpoint_and_logging, _compat):
+    for add in (_model, _parallel, _data, _training, _fusions, _checkpoint_and_logging, _compat):
         add(parser)
     if extra_args_provider is not None:
         extra_args_provider(parser)

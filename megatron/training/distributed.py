@@ -5,7 +5,9 @@ counterpart with the same contract:
 - every parameter's data and gradient live in two flat buffers (params in model dtype, grads in
   fp32 when the model is bf16 -- Megatron accumulates and reduces bf16 gradients in fp32);
 - `param.main_grad` is the parameter's view of the gradient buffer; each micro-batch's `.grad`
-  is added into it by a post-accumulate hook and then freed;
+  is added into it by a post-accumulate hook and then freed -- unless a fused weight-gradient GEMM
+  (--gradient-accumulation-fusion on GPU) accumulated into main_grad itself: megatron-core's and
+  Transformer Engine's linears then set `param.grad_added_to_main_grad` and hand a dummy `.grad`;
 - buckets are reduced over the data-parallel group (dp x cp): all-reduce, or reduce-scatter when
   the optimizer is sharded (ZeRO-1, --use-distributed-optimizer), in which case each rank owns the
   same 1/dp slice of every bucket and the updated parameters are all-gathered back;
@@ -95,13 +97,15 @@ class GradBuffer:
                 self.param_data[offset : offset + n].copy_(p.data.view(-1))
                 p.data = self.param_data[offset : offset + n].view_as(p)
                 p.main_grad = self.grad_data[offset : offset + n].view_as(p)
+                p.grad_added_to_main_grad = False  # the fused linears' protocol (megatron-core's DDP)
                 self.offsets[p] = offset
                 self.bucket_of[p] = bucket
                 offset += n
 
     # ---- accumulation and reduction ------------------------------------------------------
     def _on_grad(self, p: torch.nn.Parameter) -> None:
-        p.main_grad.add_(p.grad)
+        if not p.grad_added_to_main_grad:  # else .grad is a dummy: the GEMM wrote main_grad itself
+            p.main_grad.add_(p.grad)
         p.grad = None
         if self.overlap and self.sync_enabled:
             bucket = self.bucket_of[p]
@@ -144,6 +148,8 @@ class GradBuffer:
     def zero_grad(self) -> None:
         """Start of an iteration: zero gradients, every bucket waiting for all its params."""
         self.grad_data.zero_()
+        for p in self.offsets:
+            p.grad_added_to_main_grad = False
         for bucket in self.buckets:
             bucket.pending = set(bucket.params)
             bucket.handle = None

@@ -44,11 +44,7 @@ def initialize_distributed(args) -> ProcessGroups:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     if args.device_type == "cuda":
-        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
-        if args.memo and args.memo_allocator == "planned":  # before the first CUDA allocation
-            from megatron.longseq.memo.allocator import install
-
-            install()
+        _claim_gpu(args, env)
     if args.deterministic_mode:
         _deterministic(args)
     dist.init_process_group(
@@ -62,6 +58,16 @@ def initialize_distributed(args) -> ProcessGroups:
     # Megatron: the same seed on every tp rank of a stage, a different one per pipeline stage.
     seed_everything(args.seed + 100 * pgs.index("pp"), pgs.index("tp"), device_of(args))
     return pgs
+
+
+def _claim_gpu(args, env: LaunchEnv) -> None:
+    """This rank's GPU. The planned allocator goes in first: torch refuses to swap an initialised
+    allocator, and set_device already initialises CUDA (device_count does not)."""
+    if args.memo and args.memo_allocator == "planned":
+        from megatron.longseq.memo.allocator import install
+
+        install()
+    torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
 
 
 def _deterministic(args):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron.longseq.collectives import all_reduce_values
 from megatron.longseq.memo import allocator
 from megatron.longseq.memo.allocator import WindowDriver
 from megatron.longseq.memo.alpha import HostMemoryError, solve_alpha
@@ -34,9 +35,7 @@ def units_in_flight(args, stage: int) -> int:
 
 
 def _agree(value: float, op, group) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=op, group=group)
-    return float(t.item())
+    return all_reduce_values([value], op, group)[0]
 
 
 def wrap_model(state, alpha: float, device) -> tuple:

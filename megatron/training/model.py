@@ -1,6 +1,7 @@
 """megatron-core GPTModel from Megatron arguments, with our layer spec."""
 from __future__ import annotations
 
+import importlib.util
 from typing import List
 
 import torch
@@ -15,6 +16,31 @@ from megatron.longseq.attention.spec import gpt_block_spec
 from megatron.longseq.config import LongSeqConfig
 from megatron.longseq.recompute import apply_full_recompute
 from megatron.training.init import initialize_parameters
+
+
+def fusions(args) -> dict:
+    """megatron-core's fused ops: on GPU as Megatron enables them (each --no-*-fusion flag turns
+    one off), on CPU none -- they are CUDA extensions or torch.compile'd kernels meant for GPU."""
+    gpu = args.device_type == "cuda"
+    # megatron-core's jit_fuser is torch.compile, which guards on the saved-tensor hooks in force;
+    # MEMO installs its own per layer, so those fusions would recompile each layer, then fall back.
+    compiled = gpu and not args.memo
+    activation = args.bias_swiglu_fusion if args.swiglu else args.bias_gelu_fusion
+    return dict(
+        # an ungated GELU is fused only together with its bias (megatron-core refuses it otherwise)
+        bias_activation_fusion=compiled and activation and (args.swiglu or args.add_bias_linear),
+        bias_dropout_fusion=compiled and args.bias_dropout_fusion,
+        masked_softmax_fusion=gpu and args.masked_softmax_fusion,
+        gradient_accumulation_fusion=gpu and args.gradient_accumulation_fusion and _wgrad_fusion_present(args),
+        # bf16 only: the fused backward hands bf16 gradients of the logits whatever their dtype
+        cross_entropy_loss_fusion=gpu and args.bf16 and args.cross_entropy_loss_fusion is not False,
+        cross_entropy_fusion_impl=args.cross_entropy_fusion_impl,
+    )
+
+
+def _wgrad_fusion_present(args) -> bool:
+    """Transformer Engine's linears fuse it themselves; the local spec needs apex's extension."""
+    return args.transformer_impl == "transformer_engine" or importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
 
 
 def transformer_config(args) -> LongSeqConfig:
@@ -53,13 +79,9 @@ def transformer_config(args) -> LongSeqConfig:
         deterministic_mode=args.deterministic_mode,
         attention_backend=AttnBackend[args.attention_backend],
         calculate_per_token_loss=args.calculate_per_token_loss,
-        # Fusions that need CUDA extensions stay off; the local spec has none of them.
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        bias_dropout_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-        apply_rope_fusion=False,
+        **fusions(args),
+        persist_layer_norm=False,  # apex's persistent LayerNorm: our norms are our own
+        apply_rope_fusion=False,  # RoPE is applied by our core attention
         use_rope=args.position_embedding_type == "rope",
         rotary_base=float(args.rotary_base),
         rotary_percent=args.rotary_percent,

@@ -7,6 +7,8 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
+from megatron.longseq.collectives import all_reduce_values
+
 
 class Timer:
     def __init__(self, sync: bool):
@@ -55,11 +57,9 @@ class Timers:
         names = [n for n in names if isinstance(self.timers.get(n), Timer)]
         if not names:
             return {}
-        values = torch.tensor([self.timers[n].pop() * 1000.0 for n in names], dtype=torch.float64)
+        values = [self.timers[n].pop() * 1000.0 for n in names]
         if dist.is_initialized() and dist.get_world_size() > 1:
-            device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
-            lo, hi = values.to(device), values.to(device).clone()
-            dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-            dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-            return {n: (a, b) for n, a, b in zip(names, lo.tolist(), hi.tolist())}
-        return {n: (v, v) for n, v in zip(names, values.tolist())}
+            lo = all_reduce_values(values, dist.ReduceOp.MIN)
+            hi = all_reduce_values(values, dist.ReduceOp.MAX)
+            return {n: (a, b) for n, a, b in zip(names, lo, hi)}
+        return {n: (v, v) for n, v in zip(names, values)}

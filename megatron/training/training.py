@@ -15,8 +15,11 @@ import torch.distributed as dist
 
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.utils import get_model_config
+from megatron.longseq.collectives import all_gather_values
 from megatron.longseq.memo.alpha import HostMemoryError
+from megatron.longseq.attention.kernels import KernelEnv, choose_kernel
 from megatron.longseq.attention.ledger import LEDGER
+from megatron.longseq.pipeline.p2p import connect_links
 from megatron.longseq.pipeline.seq1f1b import Pipeline, forward_backward_seq1f1b
 from megatron.training.arguments import ArgsError, parse_args
 from megatron.training.checkpointing import load_checkpoint, save_checkpoint
@@ -110,9 +113,11 @@ def finalize_model_grads(buffer: GradBuffer, pgs, model_chunks, num_tokens: Opti
 def build_pipeline(args, pgs) -> Pipeline:
     # per-rank tokens of each segment: the context-parallel share, and the tp shard under SP
     div = pgs.size("cp") * (args.tensor_model_parallel_size if args.sequence_parallel else 1)
-    return Pipeline(size=pgs.size("pp"), rank=pgs.index("pp"), chunks=args.virtual_pipeline_chunks,
-                    segment_tokens=[n // div for n in args.segment_lengths], hidden=args.hidden_size,
-                    links=pgs.links, members=pgs.members["pp"])
+    pipeline = Pipeline(size=pgs.size("pp"), rank=pgs.index("pp"), chunks=args.virtual_pipeline_chunks,
+                        segment_tokens=[n // div for n in args.segment_lengths], hidden=args.hidden_size,
+                        links=pgs.links, members=pgs.members["pp"], measure_activations=args.timing_log_level >= 1)
+    connect_links(pgs.links, dist.get_rank(), device_of(args))
+    return pipeline
 
 
 def setup(args, pgs, model_provider):
@@ -249,9 +254,10 @@ class _Reporter:
         self.stats = IntervalStats()
         if not self.memory_reported:
             print_rank_0(memory_line(state.iteration))
+            print_rank_0(attention_kernel_line(state.model, args.attention_backend))
             self.memory_reported = True
         if args.timing_log_level >= 1:
-            self._pipeline_memory(state.pipeline)
+            print_rank_0(pipeline_memory_line(state.pipeline, self.pgs))
             if state.memo is not None:
                 self._memo(state.memo)
         self._timers(state.iteration)
@@ -271,14 +277,6 @@ class _Reporter:
                          f"reserved {a['backend_bytes'] / mib:.1f} MiB, allocated {a['allocated_bytes'] / mib:.1f} MiB, "
                          f"cached {a['cached_free_bytes'] / mib:.1f} MiB, retries {a['retries']}")
 
-    def _pipeline_memory(self, pipeline: Pipeline):
-        """Measured peak of saved activations, per pipeline stage (gathered over the pp group)."""
-        peak = torch.tensor([float(pipeline.stats.get("peak_activation_bytes", 0))])
-        peaks = [torch.zeros(1) for _ in range(self.pgs.size("pp"))]
-        dist.all_gather(peaks, peak, group=self.pgs.pp) if self.pgs.size("pp") > 1 else peaks.__setitem__(0, peak)
-        print_rank_0("peak saved activations per pipeline stage (MB): "
-                     + " ".join(f"{p.item() / 2**20:.1f}" for p in peaks))
-
     def _timers(self, iteration):
         if self.args.timing_log_level >= 2:
             print_rank_0(LEDGER.format(iterations=self.args.log_interval))
@@ -290,6 +288,28 @@ class _Reporter:
         print_rank_0("(min, max) time across ranks (ms):\n" + "\n".join(lines))
         if self.args.log_timers_to_tensorboard:
             self.tb.scalars({f"{n}-time": hi for n, (_, hi) in times.items()}, iteration)
+
+
+def check_attention_kernel(args) -> None:
+    """One line now, not at the first forward, when --attention-backend names a kernel that cannot
+    run here (flash-attn of another interface, cuDNN attention under --deterministic-mode, ...)."""
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    try:
+        choose_kernel(args.attention_backend, KernelEnv.probe(device_of(args), dtype, args.kv_channels))
+    except ValueError as err:
+        raise ArgsError(f"--attention-backend {args.attention_backend}: {err}") from None
+
+
+def attention_kernel_line(chunks, backend: str) -> str:
+    """The local attention kernel(s) this rank's layers ran (torch-sdpa: document masks, dropout)."""
+    ran = sorted({m.kernel_ran for c in chunks for m in c.modules() if getattr(m, "kernel_ran", None)})
+    return f"attention kernel: {', '.join(ran) or 'none ran'} (--attention-backend {backend})"
+
+
+def pipeline_memory_line(pipeline: Pipeline, pgs) -> str:
+    """Measured peak of saved activations, per pipeline stage (gathered over the pp group)."""
+    peaks = all_gather_values([pipeline.stats.get("peak_activation_bytes", 0)], pgs.pp)
+    return "peak saved activations per pipeline stage (MB): " + " ".join(f"{p[0] / 2**20:.1f}" for p in peaks)
 
 
 def train(forward_step_func, train_iter, valid_iter, state: TrainState, args, pgs, timers, tb) -> bool:
@@ -343,6 +363,7 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     """Megatron's entry point, with explicit arguments instead of globals."""
     args = parse_and_validate(argv, extra_args_provider)
     pgs = initialize_distributed(args)
+    check_attention_kernel(args)
     tokenizer = build_tokenizer(args)
     args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                                                args.tensor_model_parallel_size)

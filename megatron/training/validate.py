@@ -3,6 +3,7 @@ one line with the numbers that do not fit, and the run exits non-zero having don
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 
@@ -115,6 +116,8 @@ def _parallel_args(args, world_size):
              "allocate their buffers on the GPU")
     _require(args.transformer_impl == "local" or cuda,
              "--transformer-impl transformer_engine needs CUDA and Transformer Engine; use local on CPU")
+    _require(args.cross_entropy_fusion_impl == "native" or importlib.util.find_spec("transformer_engine"),
+             "--cross-entropy-fusion-impl te needs Transformer Engine (use native)")
 
 
 def _cp_split(args, cp):

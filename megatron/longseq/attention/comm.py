@@ -17,13 +17,22 @@ def _nbytes(t: torch.Tensor) -> int:
 
 # ---- Ulysses SeqAlltoAll ---------------------------------------------------------------------
 
+def _pieces(flat: torch.Tensor, s: int, b: int, d: int, head_counts: List[int]):
+    """A flat all-to-all buffer as its hp pieces: (first head, heads, view [s, b, h_i, d]) each."""
+    start = offset = 0
+    for n in head_counts:
+        yield start, n, flat[offset : offset + s * b * n * d].view(s, b, n, d)
+        start, offset = start + n, offset + s * b * n * d
+
+
 def _scatter_heads_gather_seq(x, group, head_counts: List[int], my_rank: int):
     """[s, b, H, d] (all heads, this rank's sequence shard) -> [hp*s, b, H_me, d] (the shards of
-    every hp rank in rank order = the gathered sequence, this rank's heads)."""
+    every hp rank in rank order = the gathered sequence, this rank's heads). One copy: packing
+    each destination's heads; the received buffer is the result."""
     s, b, _, d = x.shape
-    starts = [sum(head_counts[:i]) for i in range(len(head_counts))]
-    # send buffer: for each destination its heads, each piece [s, b, h_i, d] flattened
-    send = torch.cat([x[:, :, st : st + n].reshape(-1) for st, n in zip(starts, head_counts)])
+    send = torch.empty(x.numel(), dtype=x.dtype, device=x.device)
+    for start, n, piece in _pieces(send, s, b, d, head_counts):  # destination i's heads
+        piece.copy_(x[:, :, start : start + n])
     mine = head_counts[my_rank]
     recv = torch.empty(len(head_counts) * s * b * mine * d, dtype=x.dtype, device=x.device)
     dist.all_to_all_single(recv, send, [s * b * mine * d] * len(head_counts),
@@ -32,7 +41,9 @@ def _scatter_heads_gather_seq(x, group, head_counts: List[int], my_rank: int):
 
 
 def _scatter_seq_gather_heads(x, group, head_counts: List[int], my_rank: int):
-    """[hp*s, b, H_me, d] -> [s, b, H, d]: the inverse of _scatter_heads_gather_seq."""
+    """[hp*s, b, H_me, d] -> [s, b, H, d]: the inverse of _scatter_heads_gather_seq. One copy:
+    placing each source's heads (the send buffer is x itself when it is contiguous, as the ring's
+    output, laid out like q, is)."""
     hp = len(head_counts)
     S, b, mine, d = x.shape
     s = S // hp
@@ -40,8 +51,10 @@ def _scatter_seq_gather_heads(x, group, head_counts: List[int], my_rank: int):
     recv = torch.empty(s * b * sum(head_counts) * d, dtype=x.dtype, device=x.device)
     dist.all_to_all_single(recv, send, [s * b * n * d for n in head_counts], [s * b * mine * d] * hp,
                            group=group)
-    pieces = torch.split(recv, [s * b * n * d for n in head_counts])
-    return torch.cat([p.view(s, b, n, d) for p, n in zip(pieces, head_counts)], dim=2)
+    out = torch.empty(s, b, sum(head_counts), d, dtype=x.dtype, device=x.device)
+    for start, n, piece in _pieces(recv, s, b, d, head_counts):  # source i's heads
+        out[:, :, start : start + n].copy_(piece)
+    return out
 
 
 class _SeqAllToAll(torch.autograd.Function):
@@ -60,7 +73,7 @@ class _SeqAllToAll(torch.autograd.Function):
         group, head_counts, my_rank, to_heads, layer = ctx.args
         LEDGER.record(layer, "bwd", "all_to_all", "hp", _nbytes(grad))
         fn = _scatter_seq_gather_heads if to_heads else _scatter_heads_gather_seq
-        return fn(grad.contiguous(), group, head_counts, my_rank), None, None, None, None, None
+        return fn(grad, group, head_counts, my_rank), None, None, None, None, None
 
 
 def seq_all_to_all(x, group, head_counts, my_rank, to_heads: bool, layer=None):
@@ -85,10 +98,9 @@ class RingComm:
     def size(self) -> int:
         return len(self.members)
 
-    def send_recv(self, tensor: torch.Tensor, layer, phase: str):
-        """Start sending `tensor` forward and receiving the previous member's; returns a pending
-        receive whose .wait() gives the received tensor."""
-        recv = torch.empty_like(tensor)
+    def send_recv(self, tensor: torch.Tensor, recv: torch.Tensor, layer, phase: str):
+        """Start sending `tensor` forward and receiving the previous member's into `recv` (a buffer
+        the caller reuses); returns a pending receive whose .wait() gives `recv`."""
         nxt = self.members[(self.index + 1) % self.size]
         prv = self.members[(self.index - 1) % self.size]
         ops = [dist.P2POp(dist.isend, tensor, nxt, self.group), dist.P2POp(dist.irecv, recv, prv, self.group)]

@@ -12,7 +12,7 @@ attention; hp = cp is DeepSpeed-Ulysses; hp = 1 is ring attention; both > 1 is 2
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -31,6 +31,9 @@ from megatron.longseq.attention.rope import RotaryEmbedding
 from megatron.longseq.random import checkpoint, current_region, get_rng_tracker
 
 
+SDPA = "torch-sdpa"  # document masks and attention dropout: torch picks its own kernel
+
+
 @dataclass
 class AttentionInputs(PackedSeqParams):
     """Per-batch attention metadata, carried to core_attention through megatron-core's
@@ -39,6 +42,7 @@ class AttentionInputs(PackedSeqParams):
 
     position_ids: Optional[torch.Tensor] = None  # [b, s] true positions of this rank's tokens
     segment: Optional[SegmentSlot] = None  # Seq1F1B: which segment of which micro-batch this is
+    rope_cache: dict = field(default_factory=dict)  # RoPE cos/sin of these positions, for every layer
 
     def __post_init__(self):
         if self.qkv_format is None:
@@ -63,10 +67,12 @@ class LongSeqCoreAttention(MegatronModule):
         if getattr(config, "use_rope", False):
             self.rope = RotaryEmbedding(config.kv_channels, config.rotary_percent, config.rotary_base)
         self._kernel: Optional[AttentionKernel] = None
+        self.kernel_ran: Optional[str] = None  # the name of the last kernel called, for the log
 
     def kernel_for(self, x: torch.Tensor) -> AttentionKernel:
         if self._kernel is None:
-            self._kernel = select_kernel(self.config.attention_backend.name, x.device, x.dtype)
+            self._kernel = select_kernel(self.config.attention_backend.name, x.device, x.dtype, x.shape[-1])
+        self.kernel_ran = self._kernel.name
         return self._kernel
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
@@ -86,7 +92,8 @@ class LongSeqCoreAttention(MegatronModule):
     def _forward(self, query, key, value, attention_mask, packed_seq_params):
         if self.rope is not None:
             positions = positions_of(packed_seq_params, query)
-            query, key = self.rope(query, positions), self.rope(key, positions)
+            cache = packed_seq_params.rope_cache if isinstance(packed_seq_params, AttentionInputs) else None
+            query, key = self.rope(query, positions, cache), self.rope(key, positions, cache)
         segment = packed_seq_params.segment if isinstance(packed_seq_params, AttentionInputs) else None
         with LEDGER.scope(self.layer_number):
             if self.recompute and self.training:
@@ -136,6 +143,7 @@ class LongSeqCoreAttention(MegatronModule):
         it takes an arbitrary mask and draws dropout itself. Megatron's mask is True where a
         query must NOT see a key; SDPA's boolean mask is True where it may."""
         mask = None if attention_mask is None else ~attention_mask
+        self.kernel_ran = SDPA
         # Heads are split over tp ranks: dropout draws from the per-rank stream.
         with get_rng_tracker().fork() if dropout > 0.0 else contextlib.nullcontext():
             return torch.nn.functional.scaled_dot_product_attention(

@@ -9,26 +9,81 @@ only needs the two shapes every library has.
 The backward takes the *final* out and lse: when partial results are merged (ring attention), the
 gradient of each block is exactly the kernel backward evaluated with the merged out/lse
 (FlashAttention-2, section 3.1.2: dS = P o (dP - rowsum(dO o O)) with P = exp(S - lse)).
+
+The contract (what CUDA kernels assume, checked on every call, also on CPU): q, k, v, out and dout
+have a unit last stride; lse is a *contiguous* float32 [b, hq, sq] tensor (flash-attn's mha_bwd
+and torch's flash/cuDNN backward read it through a raw pointer, so a strided view silently gives
+wrong gradients); dout has the strides of out (cuDNN before 9.5.1 requires it). A violation raises
+KernelContractError, so CPU CI fails where a GPU would compute garbage.
 """
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
 
 import torch
 
 Tensor = torch.Tensor
 
 
+class KernelContractError(ValueError):
+    """A call that a CUDA attention kernel would silently get wrong."""
+
+
+def contract_violations(q, k, v, out=None, lse=None, dout=None) -> List[str]:
+    """What in this call breaks the kernel contract (empty when nothing does)."""
+    problems = [f"{name} needs 4 dims and a unit last stride, got shape {tuple(t.shape)} strides {t.stride()}"
+                for name, t in (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout))
+                if t is not None and (t.dim() != 4 or t.stride(-1) != 1)]
+    if problems:
+        return problems
+    b, hq, sq, _ = q.shape
+    if hq % k.shape[1] or k.shape != v.shape:
+        problems.append(f"k {tuple(k.shape)} and v {tuple(v.shape)} must match, with heads dividing q's {hq}")
+    if lse is not None and (lse.dtype != torch.float32 or tuple(lse.shape) != (b, hq, sq) or not lse.is_contiguous()):
+        problems.append(f"lse must be a contiguous float32 [b, hq, sq] = {[b, hq, sq]} tensor, got "
+                        f"{lse.dtype} {list(lse.shape)} strides {lse.stride()}")
+    if dout is not None and out is not None and dout.stride() != out.stride():
+        problems.append(f"dout strides {dout.stride()} differ from out's {out.stride()}")
+    return problems
+
+
+def check_contract(q, k, v, out=None, lse=None, dout=None) -> None:
+    problems = contract_violations(q, k, v, out, lse, dout)
+    if problems:
+        raise KernelContractError("attention kernel contract: " + "; ".join(problems))
+
+
+def grad_like(dout: Tensor, out: Tensor) -> Tensor:
+    """dout with the strides of out (a copy only where autograd handed over another layout)."""
+    return dout if dout.stride() == out.stride() else torch.empty_like(out).copy_(dout)
+
+
 class AttentionKernel:
-    """Interface of a local kernel. `name` appears in logs and benchmark tables."""
+    """Interface of a local kernel. `name` appears in logs and benchmark tables. Subclasses
+    implement _forward/_backward; the public methods check the contract on the way in and out."""
 
     name = "abstract"
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tuple[Tensor, Tensor]:
-        raise NotImplementedError
+        check_contract(q, k, v)
+        out, lse = self._forward(q, k, v, causal, scale)
+        check_contract(q, k, v, out, lse)
+        return out, lse
 
     def backward(self, dout, q, k, v, out, lse, causal: bool, scale: float) -> Tuple[Tensor, Tensor, Tensor]:
+        check_contract(q, k, v, out, lse, dout)
+        dq, dk, dv = self._backward(dout, q, k, v, out, lse, causal, scale)
+        if (dq.shape, dk.shape, dv.shape) != (q.shape, k.shape, v.shape):
+            raise KernelContractError(f"{self.name} backward returned {tuple(dq.shape)}, {tuple(dk.shape)}, "
+                                      f"{tuple(dv.shape)} for q {tuple(q.shape)}, k/v {tuple(k.shape)}")
+        return dq, dk, dv
+
+    def _forward(self, q, k, v, causal, scale):
+        raise NotImplementedError
+
+    def _backward(self, dout, q, k, v, out, lse, causal, scale):
         raise NotImplementedError
 
 
@@ -61,14 +116,14 @@ class ReferenceKernel(AttentionKernel):
             scores = scores.masked_fill(mask, float("-inf"))
         return scores
 
-    def forward(self, q, k, v, causal, scale):
+    def _forward(self, q, k, v, causal, scale):
         scores = self._scores(q, k, causal, scale)
         lse = torch.logsumexp(scores, dim=-1)
         probs = torch.exp(scores - lse.unsqueeze(-1))
         out = torch.matmul(probs, _expand_kv(v, q.shape[1]).float())
         return out.to(q.dtype), lse
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def _backward(self, dout, q, k, v, out, lse, causal, scale):
         hq, hkv = q.shape[1], k.shape[1]
         probs = torch.exp(self._scores(q, k, causal, scale) - lse.unsqueeze(-1))  # with the final lse
         dout32, vf = dout.float(), _expand_kv(v, hq).float()
@@ -87,68 +142,108 @@ class TorchCpuFlashKernel(AttentionKernel):
 
     name = "torch-cpu-flash"
 
-    def forward(self, q, k, v, causal, scale):
+    def _forward(self, q, k, v, causal, scale):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, attn_mask=None, scale=scale
         )
-        return out, lse
+        # Its lse is laid out [b, s, h] in memory (strides (h*s, 1, h)): made contiguous, as the
+        # CUDA kernels' is, so the CPU path passes through the same contract.
+        return out, lse.contiguous()
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def _backward(self, dout, q, k, v, out, lse, causal, scale):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.contiguous(), q, k, v, out, lse, 0.0, causal, attn_mask=None, scale=scale
+            dout, q, k, v, out, lse, 0.0, causal, attn_mask=None, scale=scale
         )
 
 
 class TorchCudaFlashKernel(AttentionKernel):
-    """torch's fused flash kernel on CUDA (fp16/bf16). It wants equal head counts, so GQA KV heads
-    are expanded here and their gradients summed back."""
+    """torch's fused flash kernel on CUDA (FlashAttention-2, fp16/bf16). GQA is native: its mha_fwd
+    and mha_bwd take fewer KV heads and return dK/dV with hkv heads."""
 
     name = "torch-cuda-flash"
 
-    def forward(self, q, k, v, causal, scale):
-        hq = q.shape[1]
-        res = torch.ops.aten._scaled_dot_product_flash_attention(
-            q, _expand_kv(k, hq), _expand_kv(v, hq), 0.0, causal, False, scale=scale
-        )
+    def _forward(self, q, k, v, causal, scale):
+        res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
         return res[0], res[1]
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
-        hq, hkv = q.shape[1], k.shape[1]
-        sq, sk = q.shape[2], k.shape[2]
+    def _backward(self, dout, q, k, v, out, lse, causal, scale):
         empty = torch.empty(0, dtype=torch.int64, device=q.device)  # philox state: unused, p = 0
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout.contiguous(), q, _expand_kv(k, hq), _expand_kv(v, hq), out, lse,
-            None, None, sq, sk, 0.0, causal, empty, empty, scale=scale,
+        # cum_seq_q/k undefined (None): the dense, not the varlen, path
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, empty, empty, scale=scale,
         )
-        return dq, _reduce_kv_grad(dk, hkv), _reduce_kv_grad(dv, hkv)
+
+
+class TorchCudnnKernel(AttentionKernel):
+    """torch's cuDNN attention (fp16/bf16, cuDNN >= 9): native GQA, and on Hopper the fastest kernel
+    a wheel can give (FlashAttention-3 paper, H100 fp16 causal 16K forward: cuDNN 539 TFLOP/s,
+    FlashAttention-2 335). Its lse comes back [b, h, s, 1] in recent torch ([b, h, s] before):
+    we hand out [b, h, s] and give the backward the rank its forward returned.
+
+    cuDNN before 9.26 returns non-finite dQ for non-causal blocks with sk % 128 == 64 on sm90
+    (pytorch#196678; torch's dispatcher routes such calls elsewhere, but we call the op directly):
+    those blocks go to torch's flash kernel, which is exact for them."""
+
+    name = "torch-cudnn"
+
+    def __init__(self):
+        self._lse_rank = 3
+        self._fallback = TorchCudaFlashKernel()
+
+    @staticmethod
+    def _unsafe(k, causal) -> bool:
+        return not causal and k.shape[2] % 128 == 64
+
+    def _forward(self, q, k, v, causal, scale):
+        if self._unsafe(k, causal):
+            return self._fallback._forward(q, k, v, causal, scale)
+        res = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+        out, lse = res[0], res[1]
+        self._lse_rank = lse.dim()
+        return out, lse.view(q.shape[:3])  # [b, h, s(, 1)] -> [b, h, s]
+
+    def _backward(self, dout, q, k, v, out, lse, causal, scale):
+        if self._unsafe(k, causal):
+            return self._fallback._backward(dout, q, k, v, out, lse, causal, scale)
+        # philox seed and offset: one-element zeros, as the forward makes them; unused at p = 0
+        seed = torch.zeros(1, dtype=torch.int64, device=q.device)
+        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dout, q, k, v, out, lse.unsqueeze(-1) if self._lse_rank == 4 else lse, seed, seed,
+            None, None, None, q.shape[2], k.shape[2], 0.0, causal, scale=scale,
+        )
 
 
 class TorchCudaEfficientKernel(AttentionKernel):
-    """torch's memory-efficient kernel on CUDA: any float dtype (the fp32 path on GPU)."""
+    """torch's memory-efficient kernel on CUDA: any float dtype (the fp32 path on GPU). It wants
+    equal head counts, so GQA KV heads are expanded here and their gradients summed back."""
 
     name = "torch-cuda-efficient"
 
-    def forward(self, q, k, v, causal, scale):
+    def _forward(self, q, k, v, causal, scale):
         hq = q.shape[1]
         out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
             q, _expand_kv(k, hq), _expand_kv(v, hq), None, True, 0.0, causal, scale=scale
         )
-        return out, lse[..., : q.shape[2]].float()  # the kernel pads lse to a multiple of 32
+        return out, lse[..., : q.shape[2]].contiguous()  # the kernel pads lse to a multiple of 32
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def _backward(self, dout, q, k, v, out, lse, causal, scale):
         hq, hkv = q.shape[1], k.shape[1]
         pad = (-lse.shape[-1]) % 32
         lse_p = torch.nn.functional.pad(lse, (0, pad)) if pad else lse
         seed = torch.zeros((), dtype=torch.int64, device=q.device)
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            dout.contiguous(), q, _expand_kv(k, hq), _expand_kv(v, hq), None, out, lse_p.contiguous(),
+            dout, q, _expand_kv(k, hq), _expand_kv(v, hq), None, out, lse_p,
             seed, seed, 0.0, [True, True, True, False], causal, scale=scale,
         )
         return dq, _reduce_kv_grad(dk, hkv), _reduce_kv_grad(dv, hkv)
 
 
+FLASH_ATTN_SUPPORTED = (">=2.7.0", "<2.9")  # the private signatures below; setup.py pins the same
+
+
 class FlashAttnKernel(AttentionKernel):
-    """The flash-attn package (2.x), native GQA. It takes [b, s, h, d]; we transpose views."""
+    """The flash-attn package (2.7 and 2.8), native GQA. It takes [b, s, h, d]; we transpose views
+    (flash-attn needs only a unit last stride)."""
 
     name = "flash-attn"
 
@@ -157,20 +252,20 @@ class FlashAttnKernel(AttentionKernel):
 
         self._fai = fai
 
-    def forward(self, q, k, v, causal, scale):
+    def _forward(self, q, k, v, causal, scale):
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # [b, h, s, d] -> [b, s, h, d]
         res = self._fai._flash_attn_forward(
             qt, kt, vt, 0.0, scale, causal=causal, window_size_left=-1, window_size_right=-1,
             softcap=0.0, alibi_slopes=None, return_softmax=False,
         )
-        out, lse = res[0], res[1]
-        return out.transpose(1, 2), lse.float()
+        out, lse = res[0], res[1]  # (out, softmax_lse, S_dmask, rng_state)
+        return out.transpose(1, 2), lse
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def _backward(self, dout, q, k, v, out, lse, causal, scale):
         qt, kt, vt, ot, dot = (x.transpose(1, 2) for x in (q, k, v, out, dout))
         dq, dk, dv = torch.empty_like(qt), torch.empty_like(kt), torch.empty_like(vt)
-        self._fai._flash_attn_backward(
-            dot.contiguous(), qt, kt, vt, ot, lse, dq, dk, dv, 0.0, scale, causal,
+        self._fai._flash_attn_backward(  # fills dq, dk, dv
+            dot, qt, kt, vt, ot, lse, dq, dk, dv, 0.0, scale, causal,
             -1, -1, 0.0, None, torch.are_deterministic_algorithms_enabled(),
         )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
@@ -180,38 +275,108 @@ class FlashAttnKernel(AttentionKernel):
 
 BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 
+KERNELS = {k.name: k for k in (ReferenceKernel, TorchCpuFlashKernel, TorchCudaFlashKernel, TorchCudnnKernel,
+                                TorchCudaEfficientKernel, FlashAttnKernel)}
 
-def _flash_attn_available() -> bool:
+
+@dataclass(frozen=True)
+class KernelEnv:
+    """What the choice of a kernel depends on; `probe` reads it off the machine, tests build it."""
+
+    device_type: str  # "cpu" or "cuda"
+    dtype: torch.dtype
+    head_dim: int
+    capability: Tuple[int, int] = (0, 0)  # CUDA compute capability
+    cudnn_version: int = 0  # torch.backends.cudnn.version(), 0 without cuDNN
+    flash_attn_version: Optional[str] = None  # None: flash-attn not installed
+    deterministic: bool = False  # torch.are_deterministic_algorithms_enabled()
+
+    @classmethod
+    def probe(cls, device: torch.device, dtype: torch.dtype, head_dim: int) -> "KernelEnv":
+        cuda = device.type == "cuda"
+        return cls(device.type, dtype, head_dim,
+                   capability=torch.cuda.get_device_capability(device) if cuda else (0, 0),
+                   cudnn_version=(torch.backends.cudnn.version() or 0) if cuda else 0,
+                   flash_attn_version=_flash_attn_version() if cuda else None,
+                   deterministic=torch.are_deterministic_algorithms_enabled())
+
+    @property
+    def half(self) -> bool:
+        return self.dtype in (torch.float16, torch.bfloat16)
+
+    def cudnn_refusal(self) -> Optional[str]:
+        """Why torch's cuDNN attention cannot take this run (None: it can)."""
+        if not self.half:
+            return "it needs fp16/bf16"
+        if self.cudnn_version < 90000:
+            return f"it needs cuDNN >= 9 (found {self.cudnn_version or 'none'})"
+        if self.head_dim % 8 or self.head_dim > 128:
+            return f"it needs a head dim <= 128 and a multiple of 8 (got {self.head_dim})"
+        if self.deterministic:  # called directly, its backward ignores deterministic mode
+            return "its backward is not deterministic (--deterministic-mode)"
+        return None
+
+
+def _flash_attn_version() -> Optional[str]:
     try:
-        import flash_attn  # noqa: F401
+        import flash_attn
     except ImportError:
-        return False
-    return True
+        return None
+    return getattr(flash_attn, "__version__", "0")
 
 
-def select_kernel(backend: str, device: torch.device, dtype: torch.dtype) -> AttentionKernel:
-    """Megatron's --attention-backend values mapped to the kernels present:
-    auto  -> the fastest: flash-attn (CUDA, 16-bit) > torch flash (CUDA, 16-bit) > torch
-             memory-efficient (CUDA, fp32) ; on CPU torch's CPU flash kernel;
-    flash -> flash-attn if installed else torch's flash kernel (CPU or CUDA);
-    fused -> torch's memory-efficient kernel on CUDA, torch's CPU flash kernel on CPU;
-    unfused / local -> the fp32 reference (materialises scores)."""
+def check_flash_attn_version(version: str) -> None:
+    """One line when the installed flash-attn has other private signatures than FlashAttnKernel's."""
+    from packaging.specifiers import SpecifierSet
+
+    supported = SpecifierSet(",".join(FLASH_ATTN_SUPPORTED))
+    if version not in supported:
+        raise ValueError(f"flash-attn {version} is installed, but this trainer calls the flash-attn "
+                         f"{supported} interface: pip install 'flash-attn{supported}', or uninstall it")
+
+
+def choose_kernel(backend: str, env: KernelEnv) -> str:
+    """Megatron's --attention-backend values mapped to the kernels present (names in KERNELS):
+    unfused / local -> the fp32 reference (materialises scores), on any device;
+    on CPU every other value -> torch's CPU flash kernel;
+    on CUDA:
+      auto  -> fp16/bf16: Hopper or Blackwell (sm90/sm100): torch cuDNN attention, else flash-attn,
+               else torch's flash kernel; older GPUs: flash-attn, else torch's flash kernel.
+               fp32: torch's memory-efficient kernel. (torch's own SDPA order since 2.10.)
+      flash -> flash-attn if installed, else torch's flash kernel (fp16/bf16 only);
+      fused -> torch cuDNN attention for fp16/bf16 (Megatron's "fused" is TE's cuDNN attention),
+               torch's memory-efficient kernel for fp32."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose from {BACKENDS}")
     if backend in ("unfused", "local"):
-        return ReferenceKernel()
-    if device.type != "cuda":
-        return TorchCpuFlashKernel()
-    half = dtype in (torch.float16, torch.bfloat16)
+        return ReferenceKernel.name
+    if env.device_type != "cuda":
+        return TorchCpuFlashKernel.name
+    if backend in ("auto", "flash") and env.half and env.flash_attn_version is not None:
+        check_flash_attn_version(env.flash_attn_version)
     if backend == "fused":
-        return TorchCudaEfficientKernel()
-    if half and _flash_attn_available():
-        return FlashAttnKernel()
-    if half:
-        return TorchCudaFlashKernel()
-    if backend == "flash":
-        raise ValueError("--attention-backend flash needs fp16/bf16 on GPU (use --bf16)")
-    return TorchCudaEfficientKernel()
+        return _fused(env)
+    if not env.half:
+        if backend == "flash":
+            raise ValueError("--attention-backend flash needs fp16/bf16 on GPU (use --bf16)")
+        return TorchCudaEfficientKernel.name
+    if backend == "auto" and env.capability[0] in (9, 10) and env.cudnn_refusal() is None:
+        return TorchCudnnKernel.name
+    return FlashAttnKernel.name if env.flash_attn_version is not None else TorchCudaFlashKernel.name
+
+
+def _fused(env: KernelEnv) -> str:
+    if not env.half:
+        return TorchCudaEfficientKernel.name
+    refusal = env.cudnn_refusal()
+    if refusal is not None:
+        raise ValueError(f"--attention-backend fused is cuDNN attention, and {refusal}")
+    return TorchCudnnKernel.name
+
+
+def select_kernel(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int = 64) -> AttentionKernel:
+    """The kernel choose_kernel names for this machine, ready to call."""
+    return KERNELS[choose_kernel(backend, KernelEnv.probe(device, dtype, head_dim))]()
 
 
 def default_scale(head_dim: int, softmax_scale: Optional[float]) -> float:

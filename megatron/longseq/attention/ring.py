@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from megatron.longseq.attention.comm import RingComm
-from megatron.longseq.attention.kernels import AttentionKernel
+from megatron.longseq.attention.kernels import AttentionKernel, grad_like
 
 CAUSAL, KV_FIRST, Q_SECOND, FULL = "causal", "kv-first", "q-second", "full"
 
@@ -75,43 +75,83 @@ def block_forward(q, kv, plan, kernel: AttentionKernel, scale):
 
 
 def merge(out, lse, block_out, block_lse, rows):
-    """Online-softmax merge into the fp32 accumulators, over all rows or the second half."""
+    """Online-softmax merge into the fp32 accumulators, in place, over all rows or the second half.
+
+    With d = block_lse - lse: the new lse is lse + softplus(d) and the rows merged so far keep the
+    weight exp(lse - new lse) = sigmoid(-d), so out = block + (out - block) * sigmoid(-d). Two
+    lse-sized temporaries and three in-place passes over out; binary in-place ops cast a bf16
+    block on the fly, so no fp32 copy of it is made."""
     if out is None:  # the first block of a ring is the causal diagonal: it covers every row
         return block_out, block_lse
     if out.dtype != torch.float32:  # a second block: from here on accumulate in fp32
         out = out.float()
     o_rows = out if rows == "all" else _halves(out)[1]
     l_rows = lse if rows == "all" else lse[:, :, lse.shape[2] // 2 :]
-    new_lse = torch.logaddexp(l_rows, block_lse)
-    merged = o_rows * torch.exp(l_rows - new_lse).unsqueeze(-1) + block_out.float() * torch.exp(
-        block_lse - new_lse).unsqueeze(-1)
-    o_rows.copy_(merged)
-    l_rows.copy_(new_lse)
+    d = block_lse - l_rows  # [b, h, s']
+    l_rows += torch.nn.functional.softplus(d)
+    old_weight = d.neg_().sigmoid_().unsqueeze(-1)  # [b, h, s', 1]
+    o_rows.sub_(block_out).mul_(old_weight).add_(block_out)
     return out, lse
 
 
-def block_backward(dout, q, kv, out, lse, plan, kernel: AttentionKernel, scale, dq, dkv):
-    """Add this block's dq (fp32, in place) and return its dK/dV as [2, b, g, s, d] fp32."""
+class _Rows:
+    """What a block's backward reads of the query side: (dout, out, lse) of all rows, or of the
+    second half. Kernels read lse through a raw pointer as a contiguous [b, h, s] tensor, and a
+    slice of its last dim is not one, so the second half of lse is copied -- once per backward."""
+
+    def __init__(self, dout, out, lse):
+        self.all = (dout, out, lse)
+        self._second = None
+
+    def second(self):
+        if self._second is None:
+            dout, out, lse = self.all
+            h = lse.shape[2] // 2
+            self._second = (dout[:, :, h:], out[:, :, h:], lse[:, :, h:].contiguous())
+        return self._second
+
+
+def block_backward(q, kv, rows: _Rows, plan, kernel: AttentionKernel, scale, dq):
+    """Add this block's dq into `dq` (fp32, in place); return its (dK, dV) for add_block_grads."""
     k, v = kv[0], kv[1]
-    if plan in (CAUSAL, FULL):
-        dq_b, dk_b, dv_b = kernel.backward(dout, q, k, v, out, lse, plan == CAUSAL, scale)
-        dq += dq_b
-        return torch.stack([dk_b, dv_b]).float()
-    if plan == KV_FIRST:
-        kf, vf = _halves(k)[0], _halves(v)[0]
-        dq_b, dk_b, dv_b = kernel.backward(dout, q, kf, vf, out, lse, False, scale)
-        dq += dq_b
-        block = torch.zeros_like(dkv)
-        block[0, :, :, : kf.shape[2]], block[1, :, :, : vf.shape[2]] = dk_b, dv_b
-        return block
-    half = q.shape[2] // 2
-    dq_b, dk_b, dv_b = kernel.backward(dout[:, :, half:], q[:, :, half:], k, v, out[:, :, half:],
-                                       lse[:, :, half:], False, scale)
-    dq[:, :, half:] += dq_b
-    return torch.stack([dk_b, dv_b]).float()
+    dout, out, lse = rows.second() if plan == Q_SECOND else rows.all
+    if plan == KV_FIRST:  # the block's first chunk only
+        k, v = _halves(k)[0], _halves(v)[0]
+    if plan == Q_SECOND:  # the second query chunk only
+        q, dq = _halves(q)[1], _halves(dq)[1]
+    dq_b, dk_b, dv_b = kernel.backward(dout, q, k, v, out, lse, plan == CAUSAL, scale)
+    dq += dq_b
+    return dk_b, dv_b
+
+
+def add_block_grads(acc, plan, grads) -> None:
+    """acc [2, b, g, s, d] (fp32) += the block's (dK, dV), in place (the first chunk's rows only
+    for a kv-first block)."""
+    if plan == KV_FIRST:  # [2, b, g, s, d] -> the first half of s
+        acc = acc[:, :, :, : acc.shape[3] // 2]
+    acc[0] += grads[0]
+    acc[1] += grads[1]
 
 
 # ---- the double ring -------------------------------------------------------------------------------
+
+class _Pair:
+    """Receive buffers shaped like `like` (at most two, made on first use and reused for every
+    later step of one ring call): a receive never lands in the buffer being sent, and the other
+    one's last send has completed by then (every step waits for its send and receive together)."""
+
+    def __init__(self, like: torch.Tensor, dtype=None, first: Optional[torch.Tensor] = None):
+        self.like, self.dtype = like, dtype
+        self.buffers = [first] if first is not None else []
+
+    def other_than(self, busy: torch.Tensor) -> torch.Tensor:
+        for buf in self.buffers:
+            if buf is not busy:
+                return buf
+        buf = torch.empty_like(self.like, dtype=self.dtype)
+        self.buffers.append(buf)
+        return buf
+
 
 def ring_forward(q, k, v, rc: RingContext, kernel, scale, layer=None, causal=True, out=None, lse=None):
     """Merge this rank's queries q [b, h, s, d] against every ring position's k/v [b, g, s, d]
@@ -121,11 +161,13 @@ def ring_forward(q, k, v, rc: RingContext, kernel, scale, layer=None, causal=Tru
         block_out, block_lse = kernel.forward(q, k, v, causal, scale)
         return merge(out, lse, block_out, block_lse, "all")
     kv = torch.stack([k, v])  # [2, b, g, s, d]: one message per step
+    outer_bufs, inner_bufs = _Pair(kv, first=kv), _Pair(kv)
     for o in range(rc.outer_size):
-        outer = rc.outer.send_recv(kv, layer, "fwd") if o + 1 < rc.outer_size else None
+        # The next outer block is fetched while this inner ring runs (LoongTrain 4.3).
+        outer = rc.outer.send_recv(kv, outer_bufs.other_than(kv), layer, "fwd") if o + 1 < rc.outer_size else None
         cur = kv
         for t in range(rc.inner_size):
-            inner = rc.inner.send_recv(cur, layer, "fwd") if t + 1 < rc.inner_size else None
+            inner = rc.inner.send_recv(cur, inner_bufs.other_than(cur), layer, "fwd") if t + 1 < rc.inner_size else None
             plan = step_plan(rc.ring_index, rc.source(o, t), causal)
             block_out, block_lse = block_forward(q, cur, plan, kernel, scale)
             out, lse = merge(out, lse, block_out, block_lse, "second" if plan == Q_SECOND else "all")
@@ -138,31 +180,39 @@ def ring_forward(q, k, v, rc: RingContext, kernel, scale, layer=None, causal=Tru
 
 def ring_backward(dout, q, k, v, out, lse, rc: RingContext, kernel, scale, layer=None, causal=True, dq=None):
     """Add this rank's dq (fp32 accumulator `dq`) over every ring block; return dK/dV of this
-    rank's own k/v block as [2, b, g, s, d] fp32 (accumulated over all ranks' queries)."""
+    rank's own k/v block as [2, b, g, s, d] fp32 (accumulated over all ranks' queries).
+
+    A block's dK/dV accumulator travels with it: each holder adds its share and passes it on, so
+    after W inner steps it is back where it started, and after every outer step it moves on to
+    the next inner ring with the block. Each step computes its block before waiting for the
+    accumulator it adds to, so every transfer -- outer ones included -- overlaps a kernel."""
     kv = torch.stack([k, v])
-    acc = torch.zeros_like(kv, dtype=torch.float32)  # dK/dV of the outer step's first block
+    rows = _Rows(dout, out, lse)
+    acc = torch.zeros_like(kv, dtype=torch.float32)  # dK/dV of this rank's own block
+    kv_outer, kv_inner = _Pair(kv, first=kv), _Pair(kv)
+    acc_outer, acc_inner = _Pair(acc, first=acc), _Pair(acc)
+    incoming = None  # the accumulator of the block in hand, on its way here
     for o in range(rc.outer_size):
-        outer = rc.outer.send_recv(kv, layer, "bwd") if o + 1 < rc.outer_size else None
-        cur, pending_acc = kv, None
+        outer = rc.outer.send_recv(kv, kv_outer.other_than(kv), layer, "bwd") if o + 1 < rc.outer_size else None
+        cur = kv
         for t in range(rc.inner_size):
-            inner = rc.inner.send_recv(cur, layer, "bwd") if t + 1 < rc.inner_size else None
+            inner = rc.inner.send_recv(cur, kv_inner.other_than(cur), layer, "bwd") if t + 1 < rc.inner_size else None
             plan = step_plan(rc.ring_index, rc.source(o, t), causal)
-            block = block_backward(dout, q, cur, out, lse, plan, kernel, scale, dq, acc)
-            if pending_acc is not None:  # the block's accumulator, from the previous holder
-                acc = pending_acc.wait()
-            acc = acc + block
-            if rc.inner_size > 1:  # pass it on with the block (after W steps: back to the start)
-                pending_acc = rc.inner.send_recv(acc, layer, "bwd")
+            grads = block_backward(q, cur, rows, plan, kernel, scale, dq)  # before the wait: overlap
+            if incoming is not None:
+                acc = incoming.wait()
+            add_block_grads(acc, plan, grads)
+            incoming = rc.inner.send_recv(acc, acc_inner.other_than(acc), layer, "bwd") if rc.inner_size > 1 else None
             if inner is not None:
                 cur = inner.wait()
-        if pending_acc is not None:
-            acc = pending_acc.wait()
-        if rc.outer_size > 1:  # to the next inner ring, which starts with this block next step
-            acc = rc.outer.send_recv(acc, layer, "bwd").wait()
+        if rc.outer_size > 1:  # to the next inner ring, which holds this block next outer step
+            if incoming is not None:
+                acc = incoming.wait()
+            incoming = rc.outer.send_recv(acc, acc_outer.other_than(acc), layer, "bwd")
         if outer is not None:
             kv = outer.wait()
-    # After the last outer step the accumulator in hand is this rank's own block's.
-    return acc
+    # After the last hop the accumulator in hand is this rank's own block's.
+    return incoming.wait() if incoming is not None else acc
 
 
 class _RingAttention(torch.autograd.Function):
@@ -190,7 +240,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         rc, kernel, scale, layer, segment = ctx.args
-        dout = dout.contiguous()
+        dout = grad_like(dout, out)  # the kernels take dout in out's layout
         if rc.size == 1 and segment is None:  # local attention: the kernel's backward as is
             dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, True, scale)
             return dq, dk, dv, None, None, None, None, None, None

@@ -5,10 +5,45 @@ of each head are rotated; frequencies inv_freq[j] = base^(-2j / rot_dim); channe
 (x[j], x[j + rot_dim/2]) ("rotate half"). Taking the angles from position ids rather than from
 0..s-1 is what lets a rank hold any subset of the sequence (context-parallel chunks, pipeline
 segments, reset position ids) and still rotate each token by its true position.
+
+The angles are computed in fp32 once per step (per batch, shared by every layer through the
+batch's cache) and cast to the input dtype; the rotation runs in the input dtype, as Megatron's
+unfused RoPE does, and saves only cos and sin for backward (the backward is the inverse rotation).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int) -> torch.Tensor:
+    """x [s, b, h, d] rotated by the angles whose cos/sin are [s, b, 1, rot/2] (x's dtype): pairs
+    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). One new tensor, no temporaries."""
+    half = rot_dim // 2
+    x1, x2 = x[..., :half], x[..., half:rot_dim]
+    out = torch.empty_like(x)
+    o1, o2 = out[..., :half], out[..., half:rot_dim]
+    torch.mul(x1, cos, out=o1)
+    o1.addcmul_(x2, sin, value=-1.0)
+    torch.mul(x2, cos, out=o2)
+    o2.addcmul_(x1, sin)
+    if rot_dim < x.shape[-1]:
+        out[..., rot_dim:] = x[..., rot_dim:]
+    return out
+
+
+class _Rotation(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin, rot_dim):
+        ctx.save_for_backward(cos, sin)
+        ctx.rot_dim = rot_dim
+        return _rotate(x, cos, sin, rot_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return _rotate(grad, cos, -sin, ctx.rot_dim), None, None, None  # the inverse rotation
 
 
 class RotaryEmbedding(torch.nn.Module):
@@ -20,18 +55,25 @@ class RotaryEmbedding(torch.nn.Module):
                 f"rotary dim kv_channels ({kv_channels}) x rotary_percent ({rotary_percent}) = "
                 f"{rot_dim} must be a positive even number"
             )
-        self.rot_dim = rot_dim
+        self.rot_dim, self.base = rot_dim, float(rotary_base)
         inv_freq = 1.0 / (rotary_base ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim))
         # Not persistent: derived from the config, never checkpointed.
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """x [s, b, h, d]; position_ids [b, s] -> x rotated, same shape and dtype."""
+    def cos_sin(self, position_ids: torch.Tensor, dtype: torch.dtype, cache: Optional[dict] = None):
+        """cos and sin [s, b, 1, rot/2] in `dtype` for position ids [b, s]: computed in fp32, and
+        kept in `cache` (the batch's) so the other layers of the step reuse them."""
+        key = (self.rot_dim, self.base, dtype, position_ids.device)
+        if cache is not None and key in cache:
+            return cache[key]
         # angles [b, s, rot/2] -> [s, b, 1, rot/2]
-        angles = position_ids.to(self.inv_freq.dtype).unsqueeze(-1) * self.inv_freq
-        angles = angles.transpose(0, 1).unsqueeze(2)
-        cos, sin = angles.cos(), angles.sin()
-        rot, rest = x[..., : self.rot_dim].float(), x[..., self.rot_dim :]
-        x1, x2 = rot.chunk(2, dim=-1)  # each [s, b, h, rot/2]
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return torch.cat((rotated.to(x.dtype), rest), dim=-1) if rest.numel() else rotated.to(x.dtype)
+        angles = (position_ids.to(self.inv_freq.dtype).unsqueeze(-1) * self.inv_freq).transpose(0, 1).unsqueeze(2)
+        value = (angles.cos().to(dtype), angles.sin().to(dtype))
+        if cache is not None:
+            cache[key] = value
+        return value
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, cache: Optional[dict] = None) -> torch.Tensor:
+        """x [s, b, h, d]; position_ids [b, s] -> x rotated, same shape and dtype."""
+        cos, sin = self.cos_sin(position_ids, x.dtype, cache)
+        return _Rotation.apply(x, cos, sin, self.rot_dim)

@@ -2,14 +2,14 @@
 
 Every (purpose, sender, receiver) link has its own two-rank group, so a group carries one kind of
 message in one direction. Sends are asynchronous and never block; a receiver takes a link's
-messages in exactly the order the sender's schedule sends them (computed from that schedule),
-keeping early arrivals until their operation runs. The shapes come from the segment lengths, known
+messages in exactly the order the sender's schedule sends them (computed from that schedule), with
+the next one's receive posted ahead, keeping early arrivals until their operation runs. The shapes come from the segment lengths, known
 on both sides. This is deadlock-free whenever the schedules' dependencies are (simulate.py), on
 gloo and NCCL alike.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -36,20 +36,47 @@ def sent_messages(sender_ops: List[Op], p: int, sender: int, v: int, purpose: st
 
 
 class Inbox:
-    """The receiving end of one link."""
+    """The receiving end of one link. The receive of the next message the sender's schedule will
+    send is always posted ahead (irecv), so a message lands while this rank computes; get() waits
+    for the posted one(s) until the wanted key has arrived, keeping early arrivals."""
 
     def __init__(self, group, src: int, expected: Iterator[Key], shape_of, dtype, device):
         self.group, self.src, self.expected = group, src, expected
         self.shape_of, self.dtype, self.device = shape_of, dtype, device
         self.early: Dict[Key, torch.Tensor] = {}
+        self.posted: Optional[Tuple[Key, torch.Tensor, object]] = None
+        self._post()
+
+    def _post(self) -> None:
+        key = next(self.expected, None)
+        if key is None:  # the sender sends nothing more this iteration
+            self.posted = None
+            return
+        buf = torch.empty(self.shape_of(key), dtype=self.dtype, device=self.device)
+        self.posted = (key, buf, dist.irecv(buf, src=self.src, group=self.group))
 
     def get(self, key: Key) -> torch.Tensor:
         while key not in self.early:
-            nxt = next(self.expected)
-            buf = torch.empty(self.shape_of(nxt), dtype=self.dtype, device=self.device)
-            dist.recv(buf, src=self.src, group=self.group)
-            self.early[nxt] = buf
+            if self.posted is None:
+                raise RuntimeError(f"pipeline: {key} is not among the messages stage {self.src} sends")
+            arrived, buf, work = self.posted
+            work.wait()
+            self.early[arrived] = buf
+            self._post()
         return self.early.pop(key)
+
+
+def connect_links(links: Dict[tuple, object], me: int, device) -> None:
+    """One message over every link of this rank, all ranks in one global order (sorted keys).
+    NCCL creates a pair's communicator at its first operation and blocks there until both ends
+    take part: a receive posted ahead must never be that first operation, or two stages could each
+    sit in the set-up of a different link, waiting for the other."""
+    token = torch.zeros(1, device=device)
+    for (_, src, dst), group in sorted(links.items()):
+        if me == src:
+            dist.send(token, dst, group=group)
+        elif me == dst:
+            dist.recv(token, src, group=group)
 
 
 class Outbox:

@@ -37,6 +37,9 @@ class Pipeline:
     links: Dict[tuple, object]
     members: List[int]  # global ranks of the pipeline group, by stage
     record_timeline: bool = False
+    # Meter saved activations (a saved-tensor hook on every forward: Python per saved tensor, and
+    # torch.compile guards on it), only when the log reports them (--timing-log-level >= 1).
+    measure_activations: bool = False
     stats: dict = field(default_factory=dict)
 
     @property
@@ -50,25 +53,31 @@ class _ActivationMeter:
 
     def __init__(self, param_ptrs):
         self.param_ptrs, self.live, self.peak, self.of = param_ptrs, 0, 0, {}
+        self.key, self.seen = None, set()
+        # the same hook objects for every forward: torch.compile guards on their identity
+        self._hooks = (self._pack, _identity)
+
+    def _pack(self, t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in self.param_ptrs and ptr not in self.seen:
+            self.seen.add(ptr)
+            self.of[self.key] = self.of.get(self.key, 0) + t.untyped_storage().nbytes()
+        return t
 
     @contextlib.contextmanager
     def forward(self, key):
-        seen = set()
-
-        def pack(t):
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in self.param_ptrs and ptr not in seen:
-                seen.add(ptr)
-                self.of[key] = self.of.get(key, 0) + t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        self.key, self.seen = key, set()
+        with torch.autograd.graph.saved_tensors_hooks(*self._hooks):
             yield
         self.live += self.of.get(key, 0)
         self.peak = max(self.peak, self.live)
 
     def backward_done(self, key):
         self.live -= self.of.pop(key, 0)
+
+
+def _identity(t):
+    return t
 
 
 class _Runner:
@@ -89,6 +98,7 @@ class _Runner:
         device = next(chunks[0].parameters()).device
         dtype = next(chunks[0].parameters()).dtype
         self.meter = _ActivationMeter({p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()})
+        self.metering = pipe.measure_activations and not forward_only
         self.inbox, self.outbox = self._links(device, dtype)
 
     # ---- links --------------------------------------------------------------------------------
@@ -143,7 +153,7 @@ class _Runner:
         self.ready = time.time()  # the timeline shows waiting for the input as a gap
         chunk = self.chunks[c]
         chunk.set_input_tensor(inp)
-        with self.meter.forward((c, m, s)) if not self.forward_only else contextlib.nullcontext():
+        with self.meter.forward((c, m, s)) if self.metering else contextlib.nullcontext():
             output, loss_func = self.step_func(iter([batch]), chunk)
         if vs == self.last_vs:
             parts = loss_func(output)

@@ -11,6 +11,7 @@ from megatron.longseq.attention.ledger import LEDGER
 from megatron.longseq.attention.placement import local_token_indices, segmented_token_indices
 from megatron.longseq.attention.segments import SegmentSlot, SegmentState
 from megatron.longseq.random import checkpoint
+from tests.unit_tests.attention.contract_kernel import ContractKernel
 from tests.unit_tests.attention.test_core_attention import config, reference
 from tests.unit_tests.dist_utils import grid_groups, run_ranks
 
@@ -29,12 +30,14 @@ def full_problem(heads, groups, seed=0):
 
 
 def run_mode(pgs, heads, groups, keep=False):
-    """This rank's share through LongSeqCoreAttention; returns (indices, out, dq, dk, dv)."""
+    """This rank's share through LongSeqCoreAttention, attending through the contract-checked
+    kernel (a call a CUDA kernel would misread raises); returns (indices, out, dq, dk, dv)."""
     (q, k, v, dout, positions), _ = full_problem(heads, groups)
     cp = ContextParallel.from_process_groups(pgs)
     idx = local_token_indices(S, cp.hp_size, cp.ring.size, cp.hp_index, cp.ring.ring_index)
     attn = LongSeqCoreAttention(_keep_config(heads, groups) if keep else config(heads, groups, d=D),
                                 layer_number=1, attn_mask_type=None, cp=cp)
+    attn._kernel = kernel = ContractKernel()
     leaves = [x[idx].clone().requires_grad_() for x in (q, k, v)]
     params = AttentionInputs(position_ids=positions[:, idx])
     if keep:  # inside a full-recompute region, as the layer wrapper does
@@ -42,6 +45,7 @@ def run_mode(pgs, heads, groups, keep=False):
     else:
         out = attn(*leaves, None, packed_seq_params=params)
     out.backward(dout[idx])
+    assert "F" in kernel.calls and "B" in kernel.calls
     return idx, out.detach(), *(x.grad for x in leaves)
 
 
@@ -161,6 +165,7 @@ def _segments_match_whole_sequence(hp, ring, lengths):
     (q, k, v, dout, positions), (ref, dq, dk, dv) = full_problem(heads, groups)
     cp = ContextParallel.from_process_groups(pgs)
     attn = LongSeqCoreAttention(config(heads, groups, d=D), layer_number=1, attn_mask_type=None, cp=cp)
+    attn._kernel = kernel = ContractKernel()
     state, runs, offset = SegmentState(), [], 0
     for s, n in enumerate(lengths):
         idx = offset + local_token_indices(n, cp.hp_size, cp.ring.size, cp.hp_index, cp.ring.ring_index)
@@ -175,6 +180,7 @@ def _segments_match_whole_sequence(hp, ring, lengths):
         for got, want in zip((x.grad for x in leaves), (dq, dk, dv)):
             torch.testing.assert_close(got.double(), want[idx], atol=ATOL_GRAD, rtol=0)
     assert not state.kv and not state.grads  # released after segment 0's backward
+    assert kernel.calls.count("B") >= len(lengths)
     all_idx = torch.cat([r[0] for r in runs])
     assert torch.equal(all_idx, segmented_token_indices(lengths, cp.hp_size, cp.ring.size, cp.hp_index,
                                                         cp.ring.ring_index))

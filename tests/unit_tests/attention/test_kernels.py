@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from megatron.longseq.attention.kernels import (
-    ReferenceKernel, TorchCpuFlashKernel, TorchCudaEfficientKernel, TorchCudaFlashKernel, select_kernel,
+    FLASH_ATTN_SUPPORTED, KernelContractError, KernelEnv, ReferenceKernel, TorchCpuFlashKernel,
+    TorchCudaEfficientKernel, TorchCudaFlashKernel, TorchCudnnKernel, choose_kernel, select_kernel,
 )
 from megatron.longseq.attention.local import local_attention
 
@@ -103,3 +104,105 @@ def test_backend_selection_on_cpu():
     assert select_kernel("local", cpu, torch.float32).name == "reference"
     with pytest.raises(ValueError, match="unknown attention backend"):
         select_kernel("magic", cpu, torch.float32)
+
+
+# ---- which kernel runs where (the table --attention-backend documents) --------------------------
+
+HOPPER = KernelEnv("cuda", torch.bfloat16, 128, capability=(9, 0), cudnn_version=91900)
+
+
+def _env(**changes):
+    fields = dict(HOPPER.__dict__)
+    fields.update(changes)
+    return KernelEnv(**fields)
+
+
+@pytest.mark.parametrize("backend, env, kernel", [
+    ("auto", _env(device_type="cpu"), "torch-cpu-flash"),
+    ("flash", _env(device_type="cpu"), "torch-cpu-flash"),
+    ("unfused", HOPPER, "reference"),
+    ("auto", HOPPER, "torch-cudnn"),  # Hopper without flash-attn
+    ("auto", _env(flash_attn_version="2.8.3"), "torch-cudnn"),  # cuDNN beats FlashAttention-2 there
+    ("auto", _env(flash_attn_version="2.8.3", head_dim=256), "flash-attn"),  # beyond cuDNN's head dim
+    ("auto", _env(head_dim=256), "torch-cuda-flash"),
+    ("auto", _env(deterministic=True), "torch-cuda-flash"),  # cuDNN's backward is not deterministic
+    ("auto", _env(capability=(8, 0)), "torch-cuda-flash"),  # Ampere: flash first, as torch orders it
+    ("auto", _env(capability=(8, 0), flash_attn_version="2.7.4.post1"), "flash-attn"),
+    ("auto", _env(dtype=torch.float32), "torch-cuda-efficient"),
+    ("flash", HOPPER, "torch-cuda-flash"),
+    ("flash", _env(flash_attn_version="2.8.3"), "flash-attn"),
+    ("fused", HOPPER, "torch-cudnn"),
+    ("fused", _env(dtype=torch.float32), "torch-cuda-efficient"),
+])
+def test_kernel_choice(backend, env, kernel):
+    assert choose_kernel(backend, env) == kernel
+
+
+@pytest.mark.parametrize("backend, env, message", [
+    ("auto", _env(flash_attn_version="2.6.3"), "flash-attn 2.6.3 is installed"),
+    ("flash", _env(dtype=torch.float32), "needs fp16/bf16"),
+    ("fused", _env(deterministic=True), "not deterministic"),
+    ("fused", _env(cudnn_version=8907), "cuDNN >= 9"),
+])
+def test_kernel_choice_refusals_are_one_line(backend, env, message):
+    with pytest.raises(ValueError, match=message) as err:
+        choose_kernel(backend, env)
+    assert "\n" not in str(err.value)
+
+
+def test_setup_pins_the_flash_attn_interface_the_kernel_calls():
+    import pathlib
+    import re
+
+    setup = (pathlib.Path(__file__).parents[3] / "setup.py").read_text()
+    pinned = re.search(r'"flash-attn([^"]*)"', setup).group(1)
+    assert pinned == ",".join(FLASH_ATTN_SUPPORTED)
+
+
+# ---- the CUDA kernels' calls, on meta tensors (torch's shape functions of the same ops) ----------
+
+@pytest.mark.parametrize("kernel", [TorchCudaFlashKernel(), TorchCudnnKernel(), TorchCudaEfficientKernel()],
+                         ids=lambda k: k.name)
+@pytest.mark.parametrize("hkv", [4, 1])
+def test_cuda_kernel_calls_type_check_and_keep_the_contract(kernel, hkv):
+    """Every argument list against torch's registered schema and meta function: forward and
+    backward run, outputs honour the contract (lse [b, h, s] contiguous fp32), GQA without
+    repeated KV where the kernel takes it, and from views laid out as [s, b, h, d] (ours)."""
+    dtype = torch.float32 if isinstance(kernel, TorchCudaEfficientKernel) else torch.bfloat16
+    b, h, s, d = 2, 4, 256, 64
+    q = torch.empty(s, b, h, d, device="meta", dtype=dtype).permute(1, 2, 0, 3)
+    k, v = (torch.empty(s, b, hkv, d, device="meta", dtype=dtype).permute(1, 2, 0, 3) for _ in range(2))
+    for causal, sk in ((True, s), (False, s // 2), (False, 192)):  # 192 % 128 == 64: cuDNN's unsafe case
+        kk, vv = k[:, :, :sk], v[:, :, :sk]
+        out, lse = kernel.forward(q, kk, vv, causal, 0.125)
+        assert lse.shape == (b, h, s) and lse.is_contiguous() and out.shape == q.shape
+        dq, dk, dv = kernel.backward(torch.empty_like(out), q, kk, vv, out, lse, causal, 0.125)
+        assert dk.shape == kk.shape and dv.shape == vv.shape and dq.shape == q.shape
+
+
+def test_cudnn_kernel_gives_its_backward_the_lse_rank_its_forward_returned():
+    kernel = TorchCudnnKernel()
+    q = torch.empty(1, 2, 64, 64, device="meta", dtype=torch.bfloat16)
+    out, lse = kernel.forward(q, q, q, True, 0.125)
+    seen = []
+    real = torch.ops.aten._scaled_dot_product_cudnn_attention_backward
+
+    class Spy:
+        def __call__(self, *args, **kwargs):
+            seen.append(args[5].shape)
+            return real(*args, **kwargs)
+    torch.ops.aten._scaled_dot_product_cudnn_attention_backward = Spy()
+    try:
+        kernel.backward(torch.empty_like(out), q, q, q, out, lse, True, 0.125)
+    finally:
+        torch.ops.aten._scaled_dot_product_cudnn_attention_backward = real
+    assert kernel._lse_rank == 4  # this torch's cuDNN op returns [b, h, s, 1] (older ones [b, h, s])
+    assert seen == [torch.Size([1, 2, 64, 1])] and lse.shape == (1, 2, 64)
+
+
+def test_a_strided_lse_never_reaches_a_kernel():
+    q = torch.randn(1, 2, 8, 4)
+    out, lse = TorchCpuFlashKernel().forward(q, q, q, True, 0.5)
+    wide = torch.cat([lse, lse], dim=2)[:, :, 8:]  # what the ring once handed the backward
+    with pytest.raises(KernelContractError, match="lse must be a contiguous"):
+        TorchCpuFlashKernel().backward(torch.ones_like(out), q, q, q, out, wide, True, 0.5)

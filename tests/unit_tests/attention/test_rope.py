@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from megatron.longseq.attention.rope import RotaryEmbedding
+from tests.unit_tests.alloc_count import CreatedTensors
 
 
 def complex_rope(x, positions, rot_dim, base):
@@ -56,13 +57,51 @@ def test_same_as_megatron_core_rope_for_contiguous_positions():
     torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
 
 
-def test_bf16_input_keeps_dtype_and_rotates_in_fp32():
-    x = torch.randn(8, 1, 2, 16)
+def test_bf16_rotates_in_bf16_within_its_rounding_and_makes_no_fp32_copies():
+    """Megatron's unfused RoPE: fp32 angles, cos/sin cast to the input dtype, the rotation in that
+    dtype. Each output is x1 cos - x2 sin with x, cos, sin in bf16 and two roundings (product, sum):
+    |error| <= ~3 * 2^-8 * (|x1| + |x2|) on top of the input rounding; 4 * 2^-8 * max|x| bounds it."""
+    x = torch.randn(8, 2, 2, 16, requires_grad=True)
     rope = RotaryEmbedding(16)
-    pos = torch.arange(8).unsqueeze(0)
-    got = rope(x.bfloat16(), pos)
-    assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), rope(x, pos), atol=3e-2, rtol=0)  # bf16 rounding of O(1)
+    pos = torch.arange(8).expand(2, 8)
+    xb = x.detach().bfloat16().requires_grad_()
+    with CreatedTensors() as created:
+        got = rope(xb, pos)
+        got.backward(torch.ones_like(got))
+    assert got.dtype == torch.bfloat16 and xb.grad.dtype == torch.bfloat16
+    # No fp32 tensor larger than the angles [s, b, 1, rot/2] (before: fp32 copies of q and k).
+    assert not [c for c in created.created if c[2] == torch.float32 and c[1] > 8 * 2 * 8], created.created
+    want = complex_rope(xb.detach().float(), pos, 16, 10000.0)
+    bound = 4 * 2**-8 * x.detach().abs().max().item()
+    torch.testing.assert_close(got.double(), want, atol=bound, rtol=0)
+    rope(x, pos).backward(torch.ones_like(x))  # fp32 reference gradient
+    torch.testing.assert_close(xb.grad.double(), x.grad.double(), atol=bound, rtol=0)
+
+
+def test_backward_is_the_inverse_rotation():
+    x = torch.randn(6, 2, 3, 8, dtype=torch.float64, requires_grad=True)
+    rope = RotaryEmbedding(8, rotary_percent=0.5).double()
+    pos = torch.randint(0, 1000, (2, 6))
+    assert torch.autograd.gradcheck(lambda t: rope(t, pos), (x,))
+
+
+def test_cos_and_sin_are_computed_once_per_step_for_all_layers():
+    """The batch's cache (AttentionInputs.rope_cache) carries the angles from layer to layer."""
+    from megatron.longseq.attention.core import AttentionInputs, LongSeqCoreAttention
+    from tests.unit_tests.attention.test_core_attention import config
+
+    layers = [LongSeqCoreAttention(config(), layer_number=n, attn_mask_type=None) for n in (1, 2, 3)]
+    q, k = torch.randn(12, 2, 4, 16), torch.randn(12, 2, 2, 16)
+    params = AttentionInputs(position_ids=torch.arange(12).expand(2, 12))
+    calls = []
+    cos = torch.Tensor.cos
+    torch.Tensor.cos = lambda t: (calls.append(t.shape), cos(t))[1]
+    try:
+        for layer in layers:
+            layer(q, k, k, None, packed_seq_params=params)
+    finally:
+        torch.Tensor.cos = cos
+    assert len(calls) == 1, calls
 
 
 def test_odd_rotary_dim_is_rejected():

@@ -24,6 +24,7 @@ def one_iteration(args, pgs):
     import pretrain_gpt
 
     state = setup(args, pgs, lambda a, p, d: build_model_chunks(a, p, d))
+    state.pipeline.measure_activations = True
     memo = None
     if args.memo:  # the runtime alone, at the forced alpha (the trainer's profile/plan aside)
         memo, managed = wrap_model(state, float(args.memo_swap_fraction), torch.device("cpu"))

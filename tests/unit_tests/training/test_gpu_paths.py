@@ -1,0 +1,194 @@
+"""GPU-only paths of the trainer, caught on CPU: collectives of host values on the backend's device,
+the planned allocator installed before CUDA starts, megatron-core's fusions on GPU (and the
+gradient buffer's half of the fused weight-gradient protocol), pipeline receives posted ahead, and
+the activation meter off unless the log reports it."""
+import sys
+from types import ModuleType, SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.longseq import collectives
+from megatron.longseq.pipeline import p2p
+from megatron.training import initialize, memo_setup
+from megatron.training.distributed import GradBuffer
+from megatron.training.model import transformer_config
+from megatron.training.timers import Timers
+from megatron.training.training import pipeline_memory_line
+from tests.unit_tests.dist_utils import grid_groups, init_single_rank_world, run_ranks
+from tests.unit_tests.model_utils import tiny_args
+
+
+# ---- host values -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend, device", [("nccl", "cuda:3"), ("gloo", "cpu"), ("cpu:gloo,cuda:nccl", "cpu")])
+def test_host_values_go_where_the_backend_reads(monkeypatch, backend, device):
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert collectives.backend_device(object()) == torch.device(device)
+
+
+def _collectives_of_host_values():
+    """The trainer's collectives of host values (MEMO's agreement, per-stage activation peaks,
+    timer min/max) all go through the helper; each is checked to give the right numbers."""
+    pgs = grid_groups(pp=2)
+    callers = []
+    for name in ("all_reduce", "all_gather"):
+        real = getattr(dist, name)
+
+        def spy(*a, _real=real, **k):
+            callers.append(sys._getframe(1).f_globals["__name__"])
+            return _real(*a, **k)
+        setattr(dist, name, spy)
+    rank = dist.get_rank()
+    assert memo_setup._agree(float(rank), dist.ReduceOp.MAX, None) == 1.0
+    line = pipeline_memory_line(SimpleNamespace(stats={"peak_activation_bytes": (rank + 1) * 2**20}), pgs)
+    assert line.endswith("(MB): 1.0 2.0")
+    timers = Timers(1, cuda=False)
+    timers("x", 0).elapsed_s = 0.001 * (rank + 1)
+    assert timers.pop_min_max(["x"])["x"] == pytest.approx((1.0, 2.0))
+    assert callers and set(callers) == {"megatron.longseq.collectives"}, callers
+
+
+def test_collectives_of_host_values_go_through_the_helper():
+    run_ranks(_collectives_of_host_values, 2)
+
+
+# ---- process start-up ------------------------------------------------------------------------------
+
+def test_planned_allocator_is_installed_before_cuda_starts(monkeypatch):
+    """torch refuses to swap an initialised allocator, and set_device initialises CUDA."""
+    from megatron.longseq.memo import allocator
+
+    calls = []
+    monkeypatch.setattr(allocator, "install", lambda: calls.append("install"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.append("set_device"))
+
+    class Reached(Exception):
+        pass
+
+    def init_process_group(**kwargs):
+        raise Reached
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    args = SimpleNamespace(device_type="cuda", memo=True, memo_allocator="planned", deterministic_mode=False,
+                           distributed_backend="nccl", distributed_timeout_minutes=10)
+    monkeypatch.setattr(initialize, "launch_env", lambda: initialize.LaunchEnv(0, 2, 0))
+    with pytest.raises(Reached):
+        initialize.initialize_distributed(args)
+    assert calls == ["install", "set_device"]
+
+
+# ---- fusions --------------------------------------------------------------------------------------
+
+FUSED = ("bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fusion", "cross_entropy_loss_fusion")
+
+
+def _on_gpu(extra=""):
+    args = tiny_args(extra)
+    args.device_type = "cuda"  # what validation says on a GPU machine
+    return args
+
+
+def test_megatron_core_fusions_on_gpu_and_off_on_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cpu = transformer_config(tiny_args("--bf16 --swiglu"))
+    assert not any(getattr(cpu, f) for f in FUSED + ("gradient_accumulation_fusion",))
+    gpu = transformer_config(_on_gpu("--bf16 --swiglu"))
+    assert all(getattr(gpu, f) for f in FUSED)
+    # apex's fused_weight_gradient_mlp_cuda is not installed here: without it, or without TE, off
+    assert not gpu.gradient_accumulation_fusion
+    monkeypatch.setitem(sys.modules, "fused_weight_gradient_mlp_cuda", ModuleType("fused_weight_gradient_mlp_cuda"))
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: object())
+    assert transformer_config(_on_gpu("--bf16")).gradient_accumulation_fusion
+    assert not transformer_config(_on_gpu("--bf16 --no-gradient-accumulation-fusion")).gradient_accumulation_fusion
+
+
+def test_fusion_flags_and_the_cases_megatron_core_refuses():
+    off = transformer_config(_on_gpu("--bf16 --swiglu --no-bias-swiglu-fusion --no-bias-dropout-fusion "
+                                     "--no-masked-softmax-fusion --no-cross-entropy-loss-fusion"))
+    assert not any(getattr(off, f) for f in FUSED)
+    assert not transformer_config(_on_gpu("--bf16 --disable-bias-linear")).bias_activation_fusion  # ungated GELU
+    assert not transformer_config(_on_gpu("")).cross_entropy_loss_fusion  # fp32: bf16 logit gradients
+    memo = transformer_config(_on_gpu("--bf16 --swiglu --memo"))
+    assert not memo.bias_activation_fusion and not memo.bias_dropout_fusion and memo.cross_entropy_loss_fusion
+
+
+def test_fused_weight_gradients_accumulate_once_and_release_their_bucket(monkeypatch):
+    """megatron-core's own linear with gradient_accumulation_fusion=True (its CUDA extension
+    replaced by the same GEMM in torch): the fused path writes main_grad and hands a dummy .grad;
+    the buffer must not add that, and its overlap hook must still release the bucket."""
+    from megatron.core.tensor_parallel import layers
+
+    init_single_rank_world()
+    ext = ModuleType("fused_weight_gradient_mlp_cuda")
+    ext.wgrad_gemm_accum_fp32 = lambda x, g, main: main.add_(g.t().float() @ x.float())
+    monkeypatch.setattr(layers, "fused_weight_gradient_mlp_cuda", ext, raising=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")  # where the dummy .grad goes
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(6, 5))
+    want = torch.zeros(6, 5)
+    buffer = GradBuffer([weight], dist.group.WORLD, shard=False, overlap=True)
+    buffer.zero_grad()
+    for _ in range(2):  # two micro-batches accumulate
+        x = torch.randn(3, 4, 5)
+        out = layers.linear_with_grad_accumulation_and_async_allreduce(x, weight, None, True, False, False)
+        out.square().sum().backward()
+        want += (2 * out.detach()).reshape(-1, 6).t() @ x.reshape(-1, 5)
+        assert weight.grad is None and weight.grad_added_to_main_grad
+    torch.testing.assert_close(weight.main_grad, want, atol=1e-4, rtol=1e-5)
+    assert not buffer.buckets[0].pending  # the hook ran: the bucket was released for reduction
+    buffer.zero_grad()
+    assert not weight.grad_added_to_main_grad
+
+
+# ---- pipeline --------------------------------------------------------------------------------------
+
+def _receives_posted_ahead():
+    """Stage 1's inbox posts the receive of the first expected message when it is made, and of
+    the next one as soon as it hands one out; messages arrive in the sender's order."""
+    group, me = dist.group.WORLD, dist.get_rank()
+    keys = [(0, m, 0) for m in range(3)]
+    if me == 0:
+        box = p2p.Outbox(group, 1, "act")
+        for m in range(3):
+            box.send(torch.full((2,), float(m)))
+        box.flush()
+        return
+    posted = []
+    irecv = dist.irecv
+    dist.irecv = lambda *a, **k: (posted.append(a[0].shape), irecv(*a, **k))[1]
+    inbox = p2p.Inbox(group, 0, iter(keys), lambda key: (2,), torch.float32, torch.device("cpu"))
+    assert len(posted) == 1  # before anything was asked for
+    assert inbox.get(keys[1])[0].item() == 1.0  # an early arrival (m = 0) is kept
+    assert len(posted) == 3 and inbox.posted is not None and inbox.posted[0] == keys[2]
+    assert inbox.get(keys[0])[0].item() == 0.0 and inbox.get(keys[2])[0].item() == 2.0
+    assert inbox.posted is None
+
+
+def test_pipeline_receives_are_posted_ahead():
+    run_ranks(_receives_posted_ahead, 2)
+
+
+def test_activation_meter_hooks_only_when_the_log_reports_them(monkeypatch):
+    from megatron.longseq.pipeline.seq1f1b import Pipeline, forward_backward_seq1f1b
+
+    init_single_rank_world()
+    model = torch.nn.Linear(4, 4)
+    model.set_input_tensor = lambda t: None
+    model.config = SimpleNamespace(no_sync_func=None, finalize_model_grads_func=None, calculate_per_token_loss=False)
+    installed = []
+    hooks = torch.autograd.graph.saved_tensors_hooks
+    monkeypatch.setattr(torch.autograd.graph, "saved_tensors_hooks", lambda *a: (installed.append(1), hooks(*a))[1])
+
+    def step(data, chunk):
+        out = chunk(next(data)["x"])
+        return out, lambda o: (o.square().mean(), {"loss": o.detach().sum()})
+
+    for measure in (False, True):
+        pipe = Pipeline(1, 0, 1, [4], 4, {}, [0], measure_activations=measure)
+        data = iter([{"x": torch.randn(1, 4, 4)} for _ in range(2)])
+        forward_backward_seq1f1b(forward_step_func=step, data_iterator=data, model=[model], num_microbatches=2,
+                                 micro_batch_size=1, p2p_communicator=pipe)
+        assert len(installed) == (2 if measure else 0) and (pipe.stats["peak_activation_bytes"] > 0) == measure
