@@ -53,12 +53,12 @@ def bench(seq, args, device, dtype):
     k = torch.randn(b, g, seq, d, device=device, dtype=dtype)
     v = torch.randn(b, g, seq, d, device=device, dtype=dtype)
     dout = torch.randn_like(q)
-    kernel = select_kernel(args.backend, device, dtype)
+    kernel = select_kernel(args.backend, device, dtype, d)
     scale = default_scale(d, None)
 
-    def bare():
-        out, lse = kernel.forward(q, k, v, True, scale)
-        kernel.backward(dout, q, k, v, out, lse, True, scale)
+    def bare():  # the kernel itself, without even the contract checks
+        out, lse = kernel._forward(q, k, v, True, scale)
+        kernel._backward(dout, q, k, v, out, lse, True, scale)
 
     config = LongSeqConfig(num_layers=1, hidden_size=h * d, num_attention_heads=h, num_query_groups=g,
                            kv_channels=d, attention_dropout=0.0, attention_backend=AttnBackend[args.backend])

@@ -52,15 +52,23 @@ def command(case: Case, extra: List[str], data_prefix: Optional[str]) -> List[st
             "--master-port", port, str(ROOT / "pretrain_gpt.py")] + flags
 
 
-def run_case(case: Case, workdir: Path, extra: List[str] = (), timeout: int = 600) -> Dict[int, float]:
-    """Run `case`; return {iteration: lm loss}. Raises with the output tail on failure."""
+class Curve(dict):
+    """{iteration: lm loss} of a run, with the run's standard output as `.log`."""
+
+    log = ""
+
+
+def run_case(case: Case, workdir: Path, extra: List[str] = (), timeout: int = 600) -> Curve:
+    """Run `case`; return {iteration: lm loss} (and its log). Raises with the output tail on failure."""
     data = make_corpus(workdir / "corpus") if case.data else None
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run(command(case, list(extra), data), cwd=workdir, env=env, capture_output=True,
                           text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{case.name} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-4000:]}")
-    return {int(m.group(1)): float(m.group(2)) for m in LINE.finditer(proc.stdout)}
+    curve = Curve((int(m.group(1)), float(m.group(2))) for m in LINE.finditer(proc.stdout))
+    curve.log = proc.stdout
+    return curve
 
 
 def golden_path(name: str) -> Path:

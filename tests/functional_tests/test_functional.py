@@ -56,6 +56,12 @@ def test_layout_reproduces_its_single_rank_run(case, runs):
     assert_curves_close(runs(case), runs(BY_NAME[case].golden_name), LAYOUT_RTOL, case)
 
 
+@pytest.mark.parametrize("case, kernel", [("gpt_base", "torch-cpu-flash"), ("gpt_base_cp2_ring", "torch-cpu-flash"),
+                                          ("gpt_documents", "torch-sdpa")])
+def test_log_names_the_attention_kernel_that_ran(case, kernel, runs):
+    assert f"attention kernel: {kernel} (--attention-backend auto)" in runs(case).log
+
+
 def test_resume_reproduces_the_uninterrupted_run_exactly(runs, tmp_path):
     """Stop at iteration 15 (checkpoint), resume to 30: iterations 16-30 print the same losses as
     the run that never stopped (2 ranks, distributed optimizer, overlapped reduction)."""

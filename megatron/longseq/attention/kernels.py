@@ -178,7 +178,8 @@ class TorchCudnnKernel(AttentionKernel):
     """torch's cuDNN attention (fp16/bf16, cuDNN >= 9): native GQA, and on Hopper the fastest kernel
     a wheel can give (FlashAttention-3 paper, H100 fp16 causal 16K forward: cuDNN 539 TFLOP/s,
     FlashAttention-2 335). Its lse comes back [b, h, s, 1] in recent torch ([b, h, s] before):
-    we hand out [b, h, s] and give the backward the rank its forward returned.
+    we hand out [b, h, s] and give the backward the rank its forward returned (before any cuDNN
+    forward has run, the backward is torch's flash kernel's).
 
     cuDNN before 9.26 returns non-finite dQ for non-causal blocks with sk % 128 == 64 on sm90
     (pytorch#196678; torch's dispatcher routes such calls elsewhere, but we call the op directly):
@@ -187,7 +188,7 @@ class TorchCudnnKernel(AttentionKernel):
     name = "torch-cudnn"
 
     def __init__(self):
-        self._lse_rank = 3
+        self._lse_rank: Optional[int] = None  # learnt from the first forward
         self._fallback = TorchCudaFlashKernel()
 
     @staticmethod
@@ -203,7 +204,7 @@ class TorchCudnnKernel(AttentionKernel):
         return out, lse.view(q.shape[:3])  # [b, h, s(, 1)] -> [b, h, s]
 
     def _backward(self, dout, q, k, v, out, lse, causal, scale):
-        if self._unsafe(k, causal):
+        if self._unsafe(k, causal) or self._lse_rank is None:
             return self._fallback._backward(dout, q, k, v, out, lse, causal, scale)
         # philox seed and offset: one-element zeros, as the forward makes them; unused at p = 0
         seed = torch.zeros(1, dtype=torch.int64, device=q.device)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron.longseq.attention.kernels import AttentionKernel
+from megatron.longseq.attention.kernels import AttentionKernel, grad_like
 
 
 class _LocalAttention(torch.autograd.Function):
@@ -22,7 +22,7 @@ class _LocalAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.kernel.backward(dout, q, k, v, out, lse, ctx.causal, ctx.scale)
+        dq, dk, dv = ctx.kernel.backward(grad_like(dout, out), q, k, v, out, lse, ctx.causal, ctx.scale)
         return dq, dk, dv, None, None, None
 
 

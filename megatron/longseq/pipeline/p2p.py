@@ -3,9 +3,9 @@
 Every (purpose, sender, receiver) link has its own two-rank group, so a group carries one kind of
 message in one direction. Sends are asynchronous and never block; a receiver takes a link's
 messages in exactly the order the sender's schedule sends them (computed from that schedule), with
-the next one's receive posted ahead, keeping early arrivals until their operation runs. The shapes come from the segment lengths, known
-on both sides. This is deadlock-free whenever the schedules' dependencies are (simulate.py), on
-gloo and NCCL alike.
+the next one's receive posted ahead, keeping early arrivals until their operation runs. The shapes
+come from the segment lengths, known on both sides. This is deadlock-free whenever the schedules'
+dependencies are (simulate.py), on gloo and NCCL alike (connect_links sets up NCCL's pairs first).
 """
 from __future__ import annotations
 
