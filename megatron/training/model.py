@@ -40,7 +40,9 @@ def fusions(args) -> dict:
 
 def _wgrad_fusion_present(args) -> bool:
     """Transformer Engine's linears fuse it themselves; the local spec needs apex's extension."""
-    return args.transformer_impl == "transformer_engine" or importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+    if args.transformer_impl == "transformer_engine":
+        return True
+    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
 
 
 def transformer_config(args) -> LongSeqConfig:

@@ -343,7 +343,8 @@ def choose_kernel(backend: str, env: KernelEnv) -> str:
     on CUDA:
       auto  -> fp16/bf16: Hopper or Blackwell (sm90/sm100): torch cuDNN attention, else flash-attn,
                else torch's flash kernel; older GPUs: flash-attn, else torch's flash kernel.
-               fp32: torch's memory-efficient kernel. (torch's own SDPA order since 2.10.)
+               fp32: torch's memory-efficient kernel. (torch's SDPA, too, puts cuDNN first on
+               sm90/sm100 with a recent cuDNN, flash first elsewhere.)
       flash -> flash-attn if installed, else torch's flash kernel (fp16/bf16 only);
       fused -> torch cuDNN attention for fp16/bf16 (Megatron's "fused" is TE's cuDNN attention),
                torch's memory-efficient kernel for fp32."""

@@ -1,11 +1,11 @@
 """What only a GPU would show, caught on CPU: the kernel contract itself (every context-parallel
-and segment test attends through it: test_context_parallel.py); ring steps allocate no buffers or fp32 temporaries of their own; the
-double ring's backward overlaps its outer transfers with kernels; a Ulysses all-to-all copies its
-payload once; bf16 rings merge in fp32 and stay within bf16 rounding of float64."""
+and segment test attends through it: test_context_parallel.py); ring steps allocate no buffers or
+fp32 temporaries of their own; the double ring's backward overlaps its outer transfers with
+kernels; a Ulysses all-to-all copies its payload once; bf16 rings merge in fp32 and stay within
+bf16 rounding of float64."""
 import math
 
 import torch
-import torch.distributed as dist
 
 from megatron.longseq.attention import comm
 from megatron.longseq.attention.context_parallel import ContextParallel
@@ -111,7 +111,9 @@ def _outer_transfers_overlap_kernels():
 def _bf16_ring_within_rounding():
     """bf16 q, k, v on a double ring against float64 attention of the same (rounded) inputs. Merges
     are fp32; what remains is bf16 rounding of each block's output and of the result (2^-8
-    relative on O(1) values, a few of them): 3e-2, the bound of the single-kernel bf16 test."""
+    relative on O(1) values, a few of them): 3e-2, the bound of the single-kernel bf16 test. dq,
+    dk, dv add up to four bf16 block gradients (one per ring position, each rounded at 2^-8 before
+    the fp32 sum) and are rounded once more: twice that bound."""
     cp = ContextParallel.from_process_groups(grid_groups(cp=4, inner_ring=2, placement="context-first"))
     idx = ring_chunks(4 * S, 4, cp.ring.ring_index)  # this position's tokens of a 4S sequence
     g = torch.Generator().manual_seed(2)
@@ -159,7 +161,6 @@ def _all_to_all_copies_once():
         for counter in (fwd, bwd):
             big = [c for c in counter.created if c[1] >= payload and "ones_like" not in c[0]]
             assert len(big) == 2 and not [c for c in counter.created if c[1] < payload], counter.created
-    assert dist.get_world_size(cp.hp_group) == 4
 
 
 def test_ulysses_all_to_all_copies_its_payload_once():
