@@ -131,17 +131,6 @@ def _bf16_ring_within_rounding():
         torch.testing.assert_close(leaf.grad.double(), r.grad[:, :, idx], atol=6e-2, rtol=0)
 
 
-def _ring_cases():
-    for inner in (None, 2):
-        _ring_allocations(inner)
-    _outer_transfers_overlap_kernels()
-    _bf16_ring_within_rounding()
-
-
-def test_ring_steps_allocate_nothing_overlap_outer_transfers_and_merge_bf16_in_fp32():
-    run_ranks(_ring_cases, 4)
-
-
 # ---- Ulysses -------------------------------------------------------------------------------------
 
 def _all_to_all_copies_once():
@@ -163,5 +152,15 @@ def _all_to_all_copies_once():
             assert len(big) == 2 and not [c for c in counter.created if c[1] < payload], counter.created
 
 
-def test_ulysses_all_to_all_copies_its_payload_once():
-    run_ranks(_all_to_all_copies_once, 4)
+def _four_rank_cases():
+    for inner in (None, 2):
+        _ring_allocations(inner)
+    _outer_transfers_overlap_kernels()
+    _bf16_ring_within_rounding()
+    _all_to_all_copies_once()
+
+
+def test_ring_and_all_to_all_allocate_overlap_and_merge_as_a_gpu_needs():
+    """One spawn of 4 ranks: ring steps allocate nothing of their own, outer transfers overlap
+    kernels, bf16 rings merge in fp32, SeqAlltoAll copies its payload once."""
+    run_ranks(_four_rank_cases, 4)
