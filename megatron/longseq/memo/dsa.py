@@ -7,6 +7,10 @@ Solvers, in order: Gurobi (the paper's MIP; its pip licence stops at 2000 variab
 constraints, error 10010), OR-Tools CP-SAT (address intervals under NoOverlap2D with the fixed
 lifetime intervals), then greedy best-fit by size. A plan records which solver ran, its peak, the
 lower bound (the most bytes ever alive at once) and whether optimality was proven.
+
+Every offset is a multiple of ALIGN = 512 bytes: sizes are rounded up to it and every solver works
+in those units (torch's caching allocator hands out 512-byte-aligned blocks, and cuBLAS and the
+attention kernels assume at least 16).
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 SOLVERS = ("gurobi", "cpsat", "greedy")
+ALIGN = 512
 
 
 @dataclass(frozen=True)
@@ -149,7 +154,8 @@ def gurobi(blocks: Sequence[Block], time_limit: float, hint: Dict[str, int], bou
             m.Params.TimeLimit = time_limit
             m.Params.BestObjStop = bound  # a plan at the live-bytes bound is optimal: stop there
             peak = m.addVar(lb=float(bound), ub=cap, name="M")
-            a = [m.addVar(lb=0.0, ub=cap, name=f"A{i}") for i in range(len(blocks))]
+            # integral addresses (in ALIGN units): a continuous optimum could sit between them
+            a = [m.addVar(lb=0.0, ub=cap, vtype=gp.GRB.INTEGER, name=f"A{i}") for i in range(len(blocks))]
             for i, b in enumerate(blocks):
                 m.addConstr(a[i] + b.size <= peak)
                 a[i].Start = hint[b.id]
@@ -171,10 +177,19 @@ def gurobi(blocks: Sequence[Block], time_limit: float, hint: Dict[str, int], bou
 
 def plan(blocks: Sequence[Block], solver: str = "gurobi", time_limit: float = 30.0) -> Plan:
     """Solve with `solver`, falling back down SOLVERS; the greedy plan is the safety net and the
-    warm start of the exact solvers."""
+    warm start of the exact solvers. Offsets, peak and bound are in bytes, multiples of ALIGN."""
     if solver not in SOLVERS:
         raise ValueError(f"--memo-planner must be one of {SOLVERS}, got {solver!r}")
     blocks = list(blocks)
+    units = _solve([Block(b.id, -(-b.size // ALIGN), b.start, b.end) for b in blocks], solver, time_limit)
+    offsets = {k: v * ALIGN for k, v in units.offsets.items()}
+    check_plan(blocks, offsets, units.peak * ALIGN)
+    return Plan(units.solver, units.peak * ALIGN, units.lower_bound * ALIGN, offsets, units.seconds, units.optimal,
+                units.notes)
+
+
+def _solve(blocks: List[Block], solver: str, time_limit: float) -> Plan:
+    """plan() on blocks whose sizes are ALIGN units."""
     bound = lower_bound(blocks)
     start = time.perf_counter()
     base = greedy(blocks)
