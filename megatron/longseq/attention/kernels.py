@@ -44,9 +44,15 @@ def contract_violations(q, k, v, out=None, lse=None, dout=None) -> List[str]:
     if lse is not None and (lse.dtype != torch.float32 or tuple(lse.shape) != (b, hq, sq) or not lse.is_contiguous()):
         problems.append(f"lse must be a contiguous float32 [b, hq, sq] = {[b, hq, sq]} tensor, got "
                         f"{lse.dtype} {list(lse.shape)} strides {lse.stride()}")
-    if dout is not None and out is not None and dout.stride() != out.stride():
+    if dout is not None and out is not None and not same_layout(dout, out):
         problems.append(f"dout strides {dout.stride()} differ from out's {out.stride()}")
     return problems
+
+
+def same_layout(a: Tensor, b: Tensor) -> bool:
+    """Same shape and the same strides, except over dims of size 1 (where a stride means nothing:
+    a micro-batch of 1 is laid out alike whatever stride its batch dim carries)."""
+    return a.shape == b.shape and all(x == y or n == 1 for x, y, n in zip(a.stride(), b.stride(), a.shape))
 
 
 def check_contract(q, k, v, out=None, lse=None, dout=None) -> None:
@@ -57,7 +63,7 @@ def check_contract(q, k, v, out=None, lse=None, dout=None) -> None:
 
 def grad_like(dout: Tensor, out: Tensor) -> Tensor:
     """dout with the strides of out (a copy only where autograd handed over another layout)."""
-    return dout if dout.stride() == out.stride() else torch.empty_like(out).copy_(dout)
+    return dout if same_layout(dout, out) else torch.empty_like(out).copy_(dout)
 
 
 class AttentionKernel:
@@ -354,8 +360,6 @@ def choose_kernel(backend: str, env: KernelEnv) -> str:
         return ReferenceKernel.name
     if env.device_type != "cuda":
         return TorchCpuFlashKernel.name
-    if backend in ("auto", "flash") and env.half and env.flash_attn_version is not None:
-        check_flash_attn_version(env.flash_attn_version)
     if backend == "fused":
         return _fused(env)
     if not env.half:
@@ -364,7 +368,10 @@ def choose_kernel(backend: str, env: KernelEnv) -> str:
         return TorchCudaEfficientKernel.name
     if backend == "auto" and env.capability[0] in (9, 10) and env.cudnn_refusal() is None:
         return TorchCudnnKernel.name
-    return FlashAttnKernel.name if env.flash_attn_version is not None else TorchCudaFlashKernel.name
+    if env.flash_attn_version is None:
+        return TorchCudaFlashKernel.name
+    check_flash_attn_version(env.flash_attn_version)  # it is the one that would run
+    return FlashAttnKernel.name
 
 
 def _fused(env: KernelEnv) -> str:

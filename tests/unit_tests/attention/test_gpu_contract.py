@@ -31,6 +31,8 @@ def test_contract_rejects_what_cuda_kernels_misread():
         else:
             raise AssertionError(f"accepted {bad}")
     check_contract(q, q, q, q, lse.contiguous(), q)
+    one = torch.randn(1, 2, 8, 4)
+    check_contract(one, one, one, one, lse.contiguous()[:1], one.as_strided(one.shape, (7, 32, 4, 1)))  # b = 1
     try:
         TorchCpuFlashKernel().backward(q.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3), q, q, q, q,
                                        lse.contiguous(), True, 0.5)

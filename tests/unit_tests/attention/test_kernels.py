@@ -123,6 +123,7 @@ def _env(**changes):
     ("unfused", HOPPER, "reference"),
     ("auto", HOPPER, "torch-cudnn"),  # Hopper without flash-attn
     ("auto", _env(flash_attn_version="2.8.3"), "torch-cudnn"),  # cuDNN beats FlashAttention-2 there
+    ("auto", _env(flash_attn_version="2.6.3"), "torch-cudnn"),  # an old flash-attn that would not run
     ("auto", _env(flash_attn_version="2.8.3", head_dim=256), "flash-attn"),  # beyond cuDNN's head dim
     ("auto", _env(head_dim=256), "torch-cuda-flash"),
     ("auto", _env(deterministic=True), "torch-cuda-flash"),  # cuDNN's backward is not deterministic
@@ -139,7 +140,8 @@ def test_kernel_choice(backend, env, kernel):
 
 
 @pytest.mark.parametrize("backend, env, message", [
-    ("auto", _env(flash_attn_version="2.6.3"), "flash-attn 2.6.3 is installed"),
+    ("auto", _env(flash_attn_version="2.6.3", capability=(8, 0)), "flash-attn 2.6.3 is installed"),
+    ("flash", _env(flash_attn_version="2.9.0"), "flash-attn 2.9.0 is installed"),
     ("flash", _env(dtype=torch.float32), "needs fp16/bf16"),
     ("fused", _env(deterministic=True), "not deterministic"),
     ("fused", _env(cudnn_version=8907), "cuDNN >= 9"),
