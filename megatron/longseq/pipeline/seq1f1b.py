@@ -54,21 +54,24 @@ class _ActivationMeter:
     def __init__(self, param_ptrs):
         self.param_ptrs, self.live, self.peak, self.of = param_ptrs, 0, 0, {}
         self.key, self.seen = None, set()
-        # the same hook objects for every forward: torch.compile guards on their identity
-        self._hooks = (self._pack, _identity)
 
-    def _pack(self, t):
+    def count(self, t: torch.Tensor) -> None:
         ptr = t.untyped_storage().data_ptr()
         if ptr not in self.param_ptrs and ptr not in self.seen:
             self.seen.add(ptr)
             self.of[self.key] = self.of.get(self.key, 0) + t.untyped_storage().nbytes()
-        return t
 
     @contextlib.contextmanager
     def forward(self, key):
-        self.key, self.seen = key, set()
-        with torch.autograd.graph.saved_tensors_hooks(*self._hooks):
-            yield
+        global _METERING
+        self.key, self.seen, _METERING = key, set(), self
+        try:
+            # module-level hooks: the same objects in every iteration, as torch.compile (megatron-
+            # core's fused ops) guards on the identity of the saved-tensor hooks in force
+            with torch.autograd.graph.saved_tensors_hooks(_pack_counted, _unpack):
+                yield
+        finally:
+            _METERING = None
         self.live += self.of.get(key, 0)
         self.peak = max(self.peak, self.live)
 
@@ -76,7 +79,15 @@ class _ActivationMeter:
         self.live -= self.of.pop(key, 0)
 
 
-def _identity(t):
+_METERING: Optional[_ActivationMeter] = None  # the meter of the forward running now
+
+
+def _pack_counted(t):
+    _METERING.count(t)
+    return t
+
+
+def _unpack(t):
     return t
 
 
