@@ -140,15 +140,15 @@ class _Pair:
     later step of one ring call): a receive never lands in the buffer being sent, and the other
     one's last send has completed by then (every step waits for its send and receive together)."""
 
-    def __init__(self, like: torch.Tensor, dtype=None, first: Optional[torch.Tensor] = None):
-        self.like, self.dtype = like, dtype
+    def __init__(self, like: torch.Tensor, first: Optional[torch.Tensor] = None):
+        self.like = like
         self.buffers = [first] if first is not None else []
 
     def other_than(self, busy: torch.Tensor) -> torch.Tensor:
         for buf in self.buffers:
             if buf is not busy:
                 return buf
-        buf = torch.empty_like(self.like, dtype=self.dtype)
+        buf = torch.empty_like(self.like)
         self.buffers.append(buf)
         return buf
 

@@ -108,8 +108,9 @@ class _Runner:
         self.timeline: List[tuple] = []
         device = next(chunks[0].parameters()).device
         dtype = next(chunks[0].parameters()).dtype
-        self.meter = _ActivationMeter({p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()})
-        self.metering = pipe.measure_activations and not forward_only
+        self.meter = None  # only when the log reports activations: no set of parameter pointers otherwise
+        if pipe.measure_activations and not forward_only:
+            self.meter = _ActivationMeter({p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()})
         self.inbox, self.outbox = self._links(device, dtype)
 
     # ---- links --------------------------------------------------------------------------------
@@ -164,7 +165,7 @@ class _Runner:
         self.ready = time.time()  # the timeline shows waiting for the input as a gap
         chunk = self.chunks[c]
         chunk.set_input_tensor(inp)
-        with self.meter.forward((c, m, s)) if self.metering else contextlib.nullcontext():
+        with self.meter.forward((c, m, s)) if self.meter is not None else contextlib.nullcontext():
             output, loss_func = self.step_func(iter([batch]), chunk)
         if vs == self.last_vs:
             parts = loss_func(output)
@@ -199,7 +200,8 @@ class _Runner:
                 torch.autograd.backward(output, grad_tensors=grad)
         if vs > 0:
             self.outbox["grad"].send(inp.grad)
-        self.meter.backward_done((c, m, s))
+        if self.meter is not None:
+            self.meter.backward_done((c, m, s))
 
     def finish_microbatch(self, m: int) -> None:
         self.segments.pop(m, None)
@@ -260,7 +262,8 @@ def forward_backward_seq1f1b(
     grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
     with grad_ctx:
         runner.run(ops)
-    pipe.stats = {"peak_activation_bytes": runner.meter.peak, "timeline": runner.timeline}
+    peak = runner.meter.peak if runner.meter is not None else 0
+    pipe.stats = {"peak_activation_bytes": peak, "timeline": runner.timeline}
     config = runner.config
     if not forward_only and config.finalize_model_grads_func is not None:
         tokens = None

@@ -92,7 +92,6 @@ def _on_gpu(extra=""):
 
 
 def test_megatron_core_fusions_on_gpu_and_off_on_cpu(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cpu = transformer_config(tiny_args("--bf16 --swiglu"))
     assert not any(getattr(cpu, f) for f in FUSED + ("gradient_accumulation_fusion",))
     gpu = transformer_config(_on_gpu("--bf16 --swiglu"))
