@@ -12,30 +12,31 @@ import torch.distributed as dist
 from megatron.longseq.collectives import all_reduce_values
 from megatron.longseq.memo import allocator
 from megatron.longseq.memo.allocator import WindowDriver
-from megatron.longseq.memo.alpha import HostMemoryError, solve_alpha
+from megatron.longseq.memo.alpha import HostMemoryError, block_bytes, check_fixed, solve_alpha
 from megatron.longseq.memo.planner import bilevel_plan, load_plan_summary
 from megatron.longseq.memo.profiler import bandwidth, mark_layer_windows, profile_sizes, trace_iteration
 from megatron.longseq.memo.runtime import Memo
-from megatron.longseq.pipeline.plan import rank_schedule
 from megatron.longseq.pipeline.seq1f1b import forward_backward_seq1f1b
 from megatron.training.data import random_batches
 from megatron.training.metrics import print_rank_0
 from megatron.training.model import unwrap
 
 
-def units_in_flight(args, stage: int) -> int:
-    """The most units (micro-batch segments) this stage holds between forward and backward."""
-    live = peak = 0
-    sched = rank_schedule(args.pipeline_model_parallel_size, stage, args.num_microbatches,
-                          args.pipe_sp_splits, args.virtual_pipeline_chunks)
-    for op in sched.ops:
-        live += 1 if op.kind == "F" else -1
-        peak = max(peak, live)
-    return max(1, -(-peak // args.virtual_pipeline_chunks))
-
-
 def _agree(value: float, op, group) -> float:
     return all_reduce_values([value], op, group)[0]
+
+
+def _refuse_together(step):
+    """Run `step` (which may raise HostMemoryError) on every rank; if it raised on any, raise on
+    all: a refusal must stop every rank before training, not leave the others waiting."""
+    result, error = None, ""
+    try:
+        result = step()
+    except HostMemoryError as err:
+        error = str(err)
+    if _agree(1.0 if error else 0.0, dist.ReduceOp.MAX, None):
+        raise HostMemoryError(error or "MEMO: another rank's plan exceeds its host memory budget")
+    return result
 
 
 def wrap_model(state, alpha: float, device) -> tuple:
@@ -62,24 +63,21 @@ def setup_memo(args, pgs, state, forward_step_func, device) -> Memo:
 
     # Every rank runs the profile and trace iterations, also a stage that manages no layer (the
     # last stage keeps its last two layers on the device): the iterations pass activations along.
-    profile = profile_sizes(memo, one_iteration, layers, device)
-    forced = None if args.memo_swap_fraction == "auto" else float(args.memo_swap_fraction)
+    profile, sizes = profile_sizes(memo, one_iteration, layers, device)
     budget = args.memo_host_memory_gb * 2**30
-    choice, error = None, ""
-    if profile is not None:
-        try:
-            choice = solve_alpha(profile, bandwidth(device), len(layers) + 2, budget,
-                                 units_in_flight(args, pgs.index("pp")), forced)
-        except HostMemoryError as err:
-            error = str(err)
-    if _agree(1.0 if error else 0.0, dist.ReduceOp.MAX, None):  # refuse on every rank, before training
-        raise HostMemoryError(error or "MEMO: another rank's plan exceeds its host memory budget")
+    forced = None if args.memo_swap_fraction == "auto" else float(args.memo_swap_fraction)
+    # refused on every rank before any host memory is taken
+    _refuse_together(lambda: profile and check_fixed(profile, memo.peak_live, budget))
+    choice = _refuse_together(lambda: profile and solve_alpha(
+        profile, bandwidth(device, limit=budget), memo.peak_live, budget, forced))
     # tp ranks must recompute the same token rows; stages agree too, so the log tells one alpha
     memo.alpha = _agree(choice.alpha if choice else 1.0, dist.ReduceOp.MIN, None)
+    if profile is not None:  # the block holds the agreed alpha's bytes: no more than the choice's
+        memo.allocate(max(s.buffer_bytes for s in sizes), memo.peak_live, block_bytes(profile, memo.alpha))
     planned = allocator.INSTALLED
     memo.allocator = planned
     if planned is not None:  # from now on every managed layer's forward and backward is a window
-        memo.window_handles = mark_layer_windows(layers, WindowDriver(planned, memo))
+        memo.window_handles = mark_layer_windows(layers, WindowDriver(planned))
     if args.memo_plan:
         summary = load_plan_summary(args.memo_plan)
         print_rank_0(f"MEMO memory plan: reused {args.memo_plan} (peak {summary['peak_bytes'] / 2**20:.2f} MiB)")

@@ -81,15 +81,22 @@ class LongSeqCoreAttention(MegatronModule):
             raise ValueError("attention_bias is not supported")
         memo = active_layer()
         if memo is None:
-            return self._forward(query, key, value, attention_mask, packed_seq_params)
+            return self._forward(query, key, value, attention_mask, packed_seq_params)[0]
         if memo.phase == "replay":  # MEMO recomputes the layer's other ops, never attention
-            return memo.attention_rows()
-        with memo.attention():
-            out = self._forward(query, key, value, attention_mask, packed_seq_params)
-        memo.keep_attention_output(out)
-        return out
+            return memo.attention_rows(query, key, value)
+        if self._needs_sdpa(attention_mask):  # no lse to keep: everything it saves goes whole
+            with memo.attention():
+                out = self._forward(query, key, value, attention_mask, packed_seq_params)[0]
+            memo.keep_attention_output(out)
+            return out
+        return _KeptAttention.apply(query, key, value, self, packed_seq_params, memo)
 
-    def _forward(self, query, key, value, attention_mask, packed_seq_params):
+    def _needs_sdpa(self, attention_mask) -> bool:
+        return attention_mask is not None or (self.training and self.dropout_p > 0.0)
+
+    def _forward(self, query, key, value, attention_mask, packed_seq_params, kept=None):
+        """(out [s, b, h*d], lse or None); `kept` = (out, lse) of an earlier forward skips the
+        attention itself (MEMO's backward)."""
         if self.rope is not None:
             positions = positions_of(packed_seq_params, query)
             cache = packed_seq_params.rope_cache if isinstance(packed_seq_params, AttentionInputs) else None
@@ -98,22 +105,22 @@ class LongSeqCoreAttention(MegatronModule):
         with LEDGER.scope(self.layer_number):
             if self.recompute and self.training:
                 return checkpoint(self._attend, query, key, value, attention_mask, segment)
-            return self._attend(query, key, value, attention_mask, segment)
+            return self._attend(query, key, value, attention_mask, segment, kept)
 
-    def _attend(self, query, key, value, attention_mask, segment=None):
+    def _attend(self, query, key, value, attention_mask, segment=None, kept=None):
         sq, b = query.shape[:2]
         dropout = self.dropout_p if self.training else 0.0
-        if attention_mask is not None or dropout > 0.0:
+        if self._needs_sdpa(attention_mask):
             if self.cp.size > 1 or segment is not None:
                 raise ValueError("attention dropout and document masks need --context-parallel-size 1 "
                                  "and --pipe-sp-splits 1")
             out = self._sdpa(*(x.permute(1, 2, 0, 3) for x in (query, key, value)), attention_mask, dropout)
-            return out.permute(2, 0, 1, 3).reshape(sq, b, -1)  # [b, h, s, d] -> [s, b, h*d]
-        out = self._two_d(query, key, value, segment)
-        return out.reshape(sq, b, -1)  # [s, b, h, d] -> [s, b, h*d]
+            return out.permute(2, 0, 1, 3).reshape(sq, b, -1), None  # [b, h, s, d] -> [s, b, h*d]
+        out, lse = self._two_d(query, key, value, segment, kept)
+        return out.reshape(sq, b, -1), lse  # [s, b, h, d] -> [s, b, h*d]
 
-    def _two_d(self, query, key, value, segment):
-        """LoongTrain Algorithm 1 on [s, b, h, d] tensors; returns [s_local, b, h, d]."""
+    def _two_d(self, query, key, value, segment, kept=None):
+        """LoongTrain Algorithm 1 on [s, b, h, d] tensors; returns ([s_local, b, h, d], lse)."""
         cp, layer = self.cp, self.layer_number
         split = split_heads(query.shape[2], key.shape[2], cp.hp_size)
         if split.kv_repeat > 1:  # [s, b, g, d] -> [s, b, g*r, d]; autograd sums the replicas' grads
@@ -122,21 +129,26 @@ class LongSeqCoreAttention(MegatronModule):
         q = seq_all_to_all(query, cp.hp_group, split.q_counts, cp.hp_index, True, layer)
         k = seq_all_to_all(key, cp.hp_group, split.kv_counts, cp.hp_index, True, layer)
         v = seq_all_to_all(value, cp.hp_group, split.kv_counts, cp.hp_index, True, layer)
+        ring_kept = None
+        if kept is not None:  # the output goes the same way as q: [s/hp, b, h*d] -> [s, b, h/hp, d]
+            out = seq_all_to_all(kept[0].view(query.shape), cp.hp_group, split.q_counts, cp.hp_index, True, layer)
+            ring_kept = (out.permute(1, 2, 0, 3), kept[1])  # [s, b, h, d] -> [b, h, s, d]
         # [s, b, h, d] -> [b, h, s, d] views for the kernels
-        out = self._ring(*(x.permute(1, 2, 0, 3) for x in (q, k, v)), segment)
+        out, lse = self._ring(*(x.permute(1, 2, 0, 3) for x in (q, k, v)), segment, ring_kept)
         # [b, h/hp, s, d] -> [s, b, h/hp, d] -> [s/hp, b, h, d]
-        return seq_all_to_all(out.permute(2, 0, 1, 3), cp.hp_group, split.q_counts, cp.hp_index, False, layer)
+        return seq_all_to_all(out.permute(2, 0, 1, 3), cp.hp_group, split.q_counts, cp.hp_index, False, layer), lse
 
-    def _ring(self, q, k, v, segment):
+    def _ring(self, q, k, v, segment, kept=None):
         """Double-Ring-Attention, with Selective Checkpoint++: inside a full-recompute region the
         forward keeps (out, lse) and the recompute reuses them instead of attending again."""
-        region = current_region() if self.keep_attention else None
-        cached = region.kept.pop(0) if region is not None and region.phase == "recompute" else None
+        region = current_region() if self.keep_attention and kept is None else None
+        if region is not None and region.phase == "recompute":
+            kept = region.kept.pop(0)
         out, lse = ring_attention(q, k, v, self.cp.ring, self.kernel_for(q), self.scale, self.layer_number,
-                                  cached, segment)
+                                  kept, segment)
         if region is not None and region.phase == "forward":
             region.kept.append((out.detach(), lse.detach()))
-        return out
+        return out, lse
 
     def _sdpa(self, q, k, v, attention_mask, dropout):
         """Document masks (--reset-attention-mask) and attention dropout go through torch's SDPA:
@@ -150,6 +162,33 @@ class LongSeqCoreAttention(MegatronModule):
                 q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
                 scale=self.scale, enable_gqa=q.shape[1] != k.shape[1],
             )
+
+
+class _KeptAttention(torch.autograd.Function):
+    """Attention under MEMO. It saves its inputs q, k, v [s, b, h, d] -- before RoPE and the
+    all-to-all, so token-wise: the runtime offloads alpha of their tokens and the replay
+    recomputes the rest from the layer input -- and its output and lse, which the runtime
+    offloads whole (S_attn). Backward runs the same path again with (out, lse) given: RoPE, the
+    all-to-alls of q, k, v and out (collectives, when hp > 1), and the ring's backward; attention
+    itself is not recomputed."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, module, params, layer):
+        out, lse = module._forward(query, key, value, None, params)
+        layer.keep_attention_output(out, lse)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.args = (module, params)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        query, key, value, out, lse = ctx.saved_tensors
+        module, params = ctx.args
+        inputs = [t.detach().requires_grad_(True) for t in (query, key, value)]
+        with torch.enable_grad():
+            again, _ = module._forward(*inputs, None, params, (out, lse))
+        torch.autograd.backward(again, dout)
+        return inputs[0].grad, inputs[1].grad, inputs[2].grad, None, None, None
 
 
 def positions_of(params, like: torch.Tensor) -> torch.Tensor:

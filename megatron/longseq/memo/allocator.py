@@ -11,8 +11,7 @@ What the runtime does with it on a GPU (`--memo-allocator planned`):
   3. plan it (planner.bilevel_plan) and load every window's request sequence with its level-1
      offsets (MemoryPlan.windows, also in a saved plan); the arena is reserved at twice the
      largest window's extent (two halves: even and odd layers);
-  4. every layer forward/backward runs as a window; before a half is reused the compute stream
-     waits for the offload copies that may still read it, and the cache's epoch advances.
+  4. every layer forward/backward runs as a window, and the cache's epoch advances.
 """
 from __future__ import annotations
 
@@ -210,43 +209,18 @@ def install() -> "PlannedAllocator":
 
 
 class WindowDriver:
-    """Turns the profiler's layer-window marks ("begin fwd L3", ...) into allocator windows.
+    """Turns the profiler's layer-window marks ("begin fwd L3", ...) into allocator windows; every
+    window begin is a new epoch of the cache. MEMO's side streams copy only between its rounding
+    buffers and host memory, never from a block this allocator hands out per layer, so a window
+    needs no wait for them."""
 
-    Every window begin is a new epoch of the cache. On a GPU, before a window starts, the compute
-    stream waits for (a) the offload copies of the last forward that used the same arena half --
-    they may still read it -- and (b) every offload copy issued two or more epochs ago, so the
-    cache's pending frees from then may be handed out again. Offloads run on one stream in order:
-    waiting for the newest event covers every older one."""
-
-    def __init__(self, allocator: PlannedAllocator, memo=None):
-        self.allocator, self.memo = allocator, memo
-        self.epoch = 0
-        self.half_events = [None, None]  # per half: after the last forward's offload copies
-        self.events = []  # (epoch, event) after each forward's offload copies
+    def __init__(self, allocator: PlannedAllocator):
+        self.allocator = allocator
 
     def mark(self, label: str) -> None:
         what, window = label.split(" ", 1)
-        half = layer_half(window)
         if what == "begin":
-            self._order_after_offloads(half)
-            self.epoch += 1
             self.allocator.epoch()
             self.allocator.begin(window)
         else:
             self.allocator.end(window)
-            if window.startswith("fwd") and self.memo is not None and self.memo.cuda:
-                event = self.memo.offload_done_event()
-                self.half_events[half] = event
-                self.events.append((self.epoch, event))
-
-    def _order_after_offloads(self, half: int) -> None:
-        if self.memo is None or not self.memo.cuda:
-            return
-        stream = torch.cuda.current_stream(self.memo.device)
-        if self.half_events[half] is not None:
-            stream.wait_event(self.half_events[half])
-            self.half_events[half] = None
-        old = [e for epoch, e in self.events if epoch <= self.epoch - 1]  # epoch + 1 begins next
-        if old:
-            stream.wait_event(old[-1])
-            self.events = [(epoch, e) for epoch, e in self.events if epoch > self.epoch - 1]

@@ -1,20 +1,23 @@
 """MEMO's job profiler (section 4.3.2): what one layer saves and how long it takes, the
 device-to-host bandwidth, and the allocation trace of an iteration with layer windows marked.
 
-`profile_sizes` runs one micro-batch with every managed layer offloading all tokens (alpha = 1)
-and reads back per layer: the bytes of the input and attention output (offloaded whole), of
-everything else, and the layer's forward time (measured separately, without offloading).
+`profile_sizes` runs one iteration with the runtime measuring (alpha 0, nothing sent to host
+memory: the budget is checked before any is taken) and reads back per layer: the bytes of the
+input and of the attention output and lse (offloaded whole), of everything else, and the layer's
+forward time (measured separately, without offloading).
 `trace_iteration` runs one micro-batch under the allocation tracer (CPU) or torch's allocator
 history (GPU), with "begin/end fwd Ln" and "begin/end bwd Ln" marks around every layer.
 """
 from __future__ import annotations
 
 import time
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from megatron.longseq.memo.alpha import LayerProfile
+from megatron.longseq.memo.alpha import LayerProfile, LayerSizes
+from megatron.longseq.memo.buffers import ALIGN
+from megatron.longseq.memo.streams import host_empty
 from megatron.longseq.memo.trace import AllocationTracer, Trace, from_cuda_snapshot
 
 
@@ -23,10 +26,12 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def bandwidth(device: torch.device, nbytes: int = 64 * 2**20) -> float:
-    """Bytes/s of a device-to-host copy (pinned on GPU; a plain copy on CPU)."""
+def bandwidth(device: torch.device, limit: int = 64 * 2**20) -> float:
+    """Bytes/s of a device-to-host copy (pinned on GPU; a plain copy on CPU), measured with at
+    most `limit` bytes of host memory (counted with MEMO's own)."""
+    nbytes = max(ALIGN, min(64 * 2**20, int(limit)))
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    dst = host_empty(nbytes, pin=device.type == "cuda")
     dst.copy_(src)  # warm up
     _sync(device)
     start = time.perf_counter()
@@ -37,43 +42,31 @@ def bandwidth(device: torch.device, nbytes: int = 64 * 2**20) -> float:
 
 
 def profile_sizes(memo, run_microbatch: Callable[[], None], layers: List[torch.nn.Module],
-                  device) -> Optional[LayerProfile]:
-    """One micro-batch at alpha = 1: per-layer bytes by kind (the largest managed layer), or None
-    on a pipeline stage that manages no layer. Every rank must call it: the iteration communicates."""
+                  device) -> Tuple[Optional[LayerProfile], List[LayerSizes]]:
+    """One iteration measured (no host memory taken): the largest managed layer's bytes by kind
+    and its forward time, and every managed forward's sizes; (None, []) on a pipeline stage that
+    manages no layer. Every rank must call it: the iteration communicates."""
     from megatron.longseq.memo import runtime
 
     first: List[runtime.LayerState] = []  # the first managed forward: its input times the layer
-    sizes: List[tuple] = []
     original = runtime.LayerState.forward
 
     def recording(self):
-        out = original(self)
-        # read now: under a pipeline schedule this layer's backward (which frees the host copies)
-        # may run before the iteration ends
         if not first:
             first.append(self)
-        sizes.append(_layer_sizes(self))
-        return out
+        return original(self)
 
-    alpha, memo.alpha = memo.alpha, 1.0
     runtime.LayerState.forward = recording
     try:
-        run_microbatch()
+        sizes = memo.measure(run_microbatch)
     finally:
         runtime.LayerState.forward = original
-        memo.alpha = alpha
-    if not first:
-        return None
-    fixed, other = max(sizes, key=lambda s: s[0] + s[1])[:2], max(s[2] for s in sizes)
-    return LayerProfile(fixed[0], fixed[1], other, _forward_seconds(layers[0], first[0], device))
-
-
-def _layer_sizes(state) -> tuple:
-    nbytes = {k: v.host.numel() * v.host.element_size() for k, v in state.storages.items()}
-    inp = nbytes.get(state.input_key, 0)
-    attn = sum(b for k, b in nbytes.items() if k != state.input_key)  # attention output and internals
-    other = sum(p[0].host.numel() * p[0].host.element_size() for p in state.token_parts if p[0] is not None)
-    return inp, attn, other
+    if not sizes:
+        return None, []
+    profile = LayerProfile(max(s.input_bytes for s in sizes), max(s.attention_bytes for s in sizes),
+                           max(s.other_bytes for s in sizes), _forward_seconds(layers[0], first[0], device),
+                           max(s.slack_bytes for s in sizes))
+    return profile, sizes
 
 
 def _forward_seconds(layer, state, device) -> float:

@@ -1,27 +1,39 @@
 """MEMO's token-wise activation swapping and recomputation (section 4.1), device-agnostic.
 
-Every tensor a transformer layer saves for backward passes through autograd's saved-tensor hooks:
-  - the layer input and the attention output (whole storages) are offloaded to host memory;
-  - what the attention module itself saves (q, k, v, out, lse) is offloaded whole: attention is
-    never recomputed;
-  - every other saved tensor with the layer's tokens as leading dimension (layer norms, linear
-    inputs, MLP activations, ...) has its first alpha of tokens offloaded and the rest dropped;
-  - parameters and small tensors without a token dimension stay where they are.
-Backward of layer i starts by rematerialising: the offloaded parts come back into rounding buffer
-i % 2 (prefetched while layer i+1's backward ran), the dropped tokens are recomputed by running the
-layer on those tokens alone -- every op but attention is token-wise, and attention returns its kept
-output rows -- and each saved tensor is spliced back whole. The last two layers keep their
-activations (their backward starts at once). On GPU, offload and prefetch run on their own streams
-(pinned host memory, events); on CPU the same code makes plain copies.
+Every tensor a managed transformer layer saves for backward passes through autograd's saved-
+tensor hooks and is classed as
+  - whole: the layer input (S_input), and the attention output and its log-sum-exp (S_attn, saved
+    by attention.core's kept attention): offloaded whole;
+  - tokens: every other saved tensor with the layer's tokens as leading dimension (norm inputs,
+    q, k and v, linear inputs, MLP activations, ...): its first alpha of tokens offloaded, the
+    rest dropped;
+  - kept: parameters and small tensors without a token dimension stay where they are.
+The forward of layer i ends by staging what goes to host memory in rounding buffer i % 2 (compute
+stream, once the offload of layer i-2 has left that buffer) and copying it from there into a
+block of the host pool (offload stream); the layer's own tensors are then free at once.
+The backward of layer i begins by issuing its prefetch (if not already running) and layer i-1's
+into the other buffer -- it runs during this backward -- then waits for its own prefetch only,
+recomputes the dropped tokens by running the layer on them alone (every op but attention is
+token-wise; attention hands back its kept output rows and records q, k, v of those tokens) and
+completes each token-wise tensor in place in the buffer. The last two layers keep their
+activations (their backward starts at once).
+
+`Memo.measure` runs an iteration without host memory (alpha 0, whole tensors left where they
+are) to size the buffers and the pool before any is allocated; `Memo.allocate` allocates them.
 """
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
 
 import torch
+
+from megatron.longseq.memo.alpha import LayerSizes, offloaded_rows
+from megatron.longseq.memo.buffers import HostPool, RoundingBuffers, aligned
+from megatron.longseq.memo.streams import Streams
 
 _ACTIVE: Optional["LayerState"] = None  # the layer whose forward or replay is running
 
@@ -31,7 +43,7 @@ def active_layer() -> Optional["LayerState"]:
 
 
 @contextlib.contextmanager
-def _activate(state: Optional["LayerState"]):
+def _activate(state):
     global _ACTIVE
     previous, _ACTIVE = _ACTIVE, state
     try:
@@ -54,95 +66,96 @@ def _rebuild(copy: torch.Tensor, view: tuple) -> torch.Tensor:
 
 
 @dataclass
-class _Offloaded:
-    """Bytes sent to host memory, and where they come back."""
+class _Item:
+    """One storage saved whole, or one token-wise tensor, of a layer's forward."""
 
-    host: torch.Tensor
-    device_copy: Optional[torch.Tensor] = None
+    whole: bool
+    dtype: torch.dtype
+    shape: tuple  # whole: (elements of the storage,); tokens: the tensor's shape
+    rows: int  # leading rows sent to host memory (whole: all)
+    tensor: Optional[torch.Tensor] = None  # the original, until staged (measuring: until backward)
+    slot: int = 0  # byte offset in the rounding buffer
+    host: int = 0  # byte offset in the layer's host block
+
+    @property
+    def row_bytes(self) -> int:
+        return math.prod(self.shape[1:]) * self.dtype.itemsize
+
+    @property
+    def full_bytes(self) -> int:
+        return self.shape[0] * self.row_bytes
+
+    @property
+    def sent_bytes(self) -> int:
+        return self.rows * self.row_bytes
 
 
 @dataclass
 class _Saved:
-    kind: str  # "keep", "storage" (whole storage, rebuilt by as_strided) or "tokens"
+    kind: str  # "keep", "whole" (a storage, rebuilt by as_strided) or "tokens"
     tensor: Optional[torch.Tensor] = None  # keep
-    key: Optional[int] = None  # storage: which offloaded storage; tokens: position in order
-    view: tuple = ()  # storage: (size, stride, offset)
-
-
-class Buffers:
-    """Two rounding buffers: layer i's saved tensors are rebuilt in buffer i % 2 (MEMO Fig. 5).
-    Each grows to the largest layer it has served and is then reused layer after layer."""
-
-    def __init__(self, device):
-        self.device = device
-        self.bufs: List[Optional[torch.Tensor]] = [None, None]
-        self.used = [0, 0]
-
-    def reset(self, which: int, need: int) -> None:
-        if self.bufs[which] is None or self.bufs[which].numel() < need:
-            self.bufs[which] = torch.empty(need, dtype=torch.uint8, device=self.device)
-        self.used[which] = 0
-
-    def take(self, which: int, shape, dtype) -> torch.Tensor:
-        nbytes = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size()
-        start = -(-self.used[which] // 64) * 64  # 64-byte aligned
-        self.used[which] = start + nbytes
-        return self.bufs[which][start : start + nbytes].view(dtype).view(shape)
+    key: int = -1  # the item
+    view: tuple = ()  # whole: (size, stride, offset)
 
 
 class Memo:
-    """The runtime of one training run: alpha, streams, host copies, rounding buffers."""
+    """The runtime of one training run: alpha, streams, rounding buffers, host pool."""
 
-    def __init__(self, alpha: float, device: torch.device, param_storages=()):
+    def __init__(self, alpha: float, device: torch.device, param_storages=(), log: Optional[list] = None):
         self.alpha = alpha
         self.device = device
         self.cuda = device.type == "cuda"
-        self.offload_stream = torch.cuda.Stream(device) if self.cuda else None
-        self.prefetch_stream = torch.cuda.Stream(device) if self.cuda else None
-        self.buffers = Buffers(device)
+        self.streams = Streams(device, log)
+        self.buffers: Optional[RoundingBuffers] = None
+        self.pool: Optional[HostPool] = None
         self.param_storages = set(param_storages)
         self.last: Optional[LayerState] = None  # the previous managed layer of the running forward
-        self.host_bytes = 0  # host memory held now by layers waiting for their backward
+        self.measuring: Optional[List[LayerSizes]] = None  # sizes of every forward, while measuring
+        self.live = self.peak_live = 0  # managed layers between forward and backward
+        self.forwards = 0  # managed forwards so far: layer i of a unit stages in buffer i % 2
+        self.reading: Optional[tuple] = None  # (buffer, layer) the running backward reads
         self.allocator = None  # the planned allocator (allocator.py), when it serves this run
         self.window_handles: list = []  # hooks that mark the allocator's layer windows
         self.reset_stats()
 
+    @property
+    def host_bytes(self) -> int:
+        """Host memory held now by layers waiting for their backward."""
+        return self.pool.in_use if self.pool is not None else 0
+
     def reset_stats(self) -> None:
         self.stats = {"offloaded_bytes": 0, "recomputed_tokens": 0, "layers": 0, "peak_host_bytes": self.host_bytes}
 
-    # ---- copies: streams and pinned memory on GPU, plain copies on CPU --------------------------
-    def to_host(self, t: torch.Tensor) -> _Offloaded:
-        nbytes = t.numel() * t.element_size()
-        self.stats["offloaded_bytes"] += nbytes
-        self.host_bytes += nbytes
-        self.stats["peak_host_bytes"] = max(self.stats["peak_host_bytes"], self.host_bytes)
-        if not self.cuda:
-            return _Offloaded(t.detach().clone())
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        self.offload_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.offload_stream):
-            host.copy_(t, non_blocking=True)
-        t.record_stream(self.offload_stream)  # the caching allocator keeps t until the copy is done
-        return _Offloaded(host)
+    # ---- sizing ----------------------------------------------------------------------------------
+    def measure(self, run: Callable[[], None]) -> List[LayerSizes]:
+        """Run `run` (an iteration) with nothing sent to host memory: alpha 0, whole tensors left
+        on the device. Returns what every managed forward saved; `peak_live` is set."""
+        self.measuring, self.peak_live = [], 0
+        try:
+            run()
+            return self.measuring
+        finally:
+            self.measuring, self.reading, self.forwards = None, None, 0
 
-    def to_device(self, item: _Offloaded, dst: torch.Tensor) -> None:
-        if not self.cuda:
-            dst.copy_(item.host)
-        else:
-            with torch.cuda.stream(self.prefetch_stream):
-                dst.copy_(item.host, non_blocking=True)
-        item.device_copy = dst
+    def allocate(self, buffer_bytes: int, blocks: int, block_bytes: int) -> None:
+        """The two rounding buffers and the host pool, once, before training."""
+        self.buffers = RoundingBuffers(buffer_bytes, self.device)
+        self.pool = HostPool(blocks, block_bytes, pin=self.cuda)
 
-    def wait_prefetch(self) -> None:
-        if self.cuda:
-            torch.cuda.current_stream(self.device).wait_stream(self.prefetch_stream)
+    def calibrate(self, run: Callable[[], None]) -> List[LayerSizes]:
+        """Measure with `run`, then allocate for the current alpha (no LP: tests and tools)."""
+        sizes = self.measure(run)
+        if sizes:  # a pipeline stage may manage no layer
+            self.allocate(max(s.buffer_bytes for s in sizes), self.peak_live,
+                          max(s.host_bytes(self.alpha) for s in sizes))
+        return sizes
 
-    def offload_done_event(self):
-        if not self.cuda:
-            return None
-        event = torch.cuda.Event()
-        event.record(self.offload_stream)
-        return event
+    def reads_done(self) -> None:
+        """For the log: the backward that read a buffer last is over (it was issued on the compute
+        stream before now: the next layer's backward or a forward has begun)."""
+        if self.reading is not None:
+            self.streams.access("read", "compute", *self.reading)
+            self.reading = None
 
     # ---- the layer wrapper -----------------------------------------------------------------------
     def wrap(self, layers, keep_last: int = 2) -> None:
@@ -166,65 +179,87 @@ def _memo_forward(memo: Memo, forward, index: int, first: bool):
 
 
 def _release(memo: Memo, held: list) -> None:
-    memo.host_bytes -= held[0]
-    held[0] = 0
+    """A layer's host block back to the pool (also when a forward never gets its backward)."""
+    block, held[0] = held[0], None
+    if block is not None:
+        memo.pool.give_back(block, held[1])
+    memo.live -= held[2]
+    held[2] = 0
 
 
 class LayerState:
-    """One managed layer's forward: what it offloaded, and how to bring it back."""
+    """One managed layer's forward: what it saved, where it went, and how it comes back."""
 
     def __init__(self, memo: Memo, forward, index: int, hidden_states, kwargs, previous):
         self.memo, self.fn, self.index, self.kwargs = memo, forward, index, kwargs
         self.previous = previous
         self.input = hidden_states
         self.tokens = hidden_states.shape[0]
-        self.n_off = int(round(memo.alpha * self.tokens))  # offloaded leading tokens
-        self.held = [0]  # host bytes this layer holds (a box shared with its finalizer)
-        self.storages: Dict[int, _Offloaded] = {}  # storage ptr -> offloaded copy (whole storages)
-        self.storage_keys: Dict[int, int] = {}
+        self.n_off = 0 if memo.measuring is not None else offloaded_rows(memo.alpha, self.tokens)
+        self.buffer = memo.forwards % 2
+        self.id = memo.forwards
+        memo.forwards += 1
+        self.items: List[_Item] = []
+        self.storage_keys: Dict[int, int] = {}  # storage ptr -> item (whole storages)
+        self.token_index: Dict[tuple, int] = {}  # (ptr, shape, stride, offset) -> item
         self._alive: List[torch.Tensor] = []
-        self.token_parts: List[tuple] = []  # (offloaded leading rows or None, full shape, dtype)
-        self.token_index: Dict[tuple, int] = {}
         self.in_attention = False
         self.attention_key: Optional[int] = None
         self.phase = "forward"
         self.rebuilt: Optional[Dict[int, torch.Tensor]] = None
-        self.event = None
+        self.held = [None, None, 0]  # host block, the event after its prefetch, live count
+        self.offloaded = None  # event: this layer's offload copies are done
+        self.prefetched = None  # event: this layer's prefetch copies are done
 
     # ---- forward -----------------------------------------------------------------------------
     def forward(self):
         # MEMO: the layer input always goes to host memory whole
-        self.input_key = self._storage(self.input)
+        self.input_key = self._whole_item(self.input)
         self._input_view = (tuple(self.input.shape), self.input.stride(), self.input.storage_offset())
         self._input_grad = self.input.requires_grad
         with _activate(self), torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
             out = self.fn(hidden_states=self.input, **self.kwargs)
-        self.event = self.memo.offload_done_event()
         self.memo.stats["layers"] += 1
-        self.held[0] = self._host_bytes()
+        self.memo.live += 1
+        self.held[2] = 1
+        self.memo.peak_live = max(self.memo.peak_live, self.memo.live)
+        if self.memo.measuring is not None:
+            self.memo.measuring.append(self.sizes())
+        else:
+            self._offload()
         # a forward that never gets a backward releases when it is dropped (the finalizer must
         # not reference the state itself, or the state could never be dropped)
         weakref.finalize(self, _release, self.memo, self.held)
-        self.input = None  # only the host copies stay
+        self.input = None
         self._alive = []
         return out
 
-    def _host_bytes(self) -> int:
-        items = list(self.storages.values()) + [p[0] for p in self.token_parts if p[0] is not None]
-        return sum(i.host.numel() * i.host.element_size() for i in items)
+    def sizes(self) -> LayerSizes:
+        wholes = [i.full_bytes for i in self.items if i.whole]
+        return LayerSizes(tuple(wholes), tuple((i.shape[0], i.row_bytes) for i in self.items if not i.whole))
 
-    def _storage(self, t: torch.Tensor) -> int:
+    def _whole_item(self, t: torch.Tensor) -> int:
         ptr = t.untyped_storage().data_ptr()
         if ptr not in self.storage_keys:
             # Keyed by address: the storage must outlive the forward, or a new tensor could take
             # its address and pass for it.
             self._alive.append(t)
-            self.storage_keys[ptr] = len(self.storage_keys)
-            self.storages[self.storage_keys[ptr]] = self.memo.to_host(_whole(t))
+            flat = _whole(t)
+            self.storage_keys[ptr] = len(self.items)
+            self.items.append(_Item(True, t.dtype, tuple(flat.shape), flat.shape[0], flat))
         return self.storage_keys[ptr]
 
+    def _token_item(self, t: torch.Tensor) -> int:
+        key = (t.untyped_storage().data_ptr(), tuple(t.shape), t.stride(), t.storage_offset())
+        if key not in self.token_index:
+            self._alive.append(t)
+            self.token_index[key] = len(self.items)
+            self.items.append(_Item(False, t.dtype, tuple(t.shape), self.n_off, t))
+        return self.token_index[key]
+
     def attention(self):
-        """The attention module's own saved tensors: offloaded whole (it is never recomputed)."""
+        """A scope whose saved tensors are all offloaded whole: attention that cannot hand back
+        (out, lse) -- torch's SDPA, for document masks and attention dropout."""
         state = self
 
         @contextlib.contextmanager
@@ -237,9 +272,12 @@ class LayerState:
 
         return scope()
 
-    def keep_attention_output(self, out: torch.Tensor) -> None:
-        """The attention output [s, b, h*d]: offloaded whole; the replay answers from it."""
-        self.attention_key = self._storage(out)
+    def keep_attention_output(self, out: torch.Tensor, lse: Optional[torch.Tensor] = None) -> None:
+        """The attention output [s, b, h*d] (and its lse): S_attn, offloaded whole; the replay
+        answers from the output, attention's backward from both."""
+        self.attention_key = self._whole_item(out)
+        if lse is not None:
+            self._whole_item(lse)
         self._attention_view = (tuple(out.shape), out.stride(), out.storage_offset())
         self._attention_grad = out.requires_grad
 
@@ -249,19 +287,50 @@ class LayerState:
             return _Saved("keep", t)
         view = (tuple(t.shape), t.stride(), t.storage_offset())
         if ptr in self.storage_keys or self.in_attention:
-            return _Saved("storage", key=self._storage(t), view=view)
+            return _Saved("whole", key=self._whole_item(t), view=view)
         if t.dim() >= 1 and t.shape[0] == self.tokens:
-            return _Saved("tokens", key=self._token_part(t))
+            return _Saved("tokens", key=self._token_item(t))
         return _Saved("keep", t)
 
-    def _token_part(self, t: torch.Tensor) -> int:
-        key = (t.untyped_storage().data_ptr(),) + (tuple(t.shape), t.stride(), t.storage_offset())
-        if key not in self.token_index:
-            self._alive.append(t)
-            self.token_index[key] = len(self.token_parts)
-            head = self.memo.to_host(t[: self.n_off].contiguous()) if self.n_off else None
-            self.token_parts.append((head, tuple(t.shape), t.dtype))
-        return self.token_index[key]
+    def _layout(self) -> tuple:
+        """Slots in the rounding buffer (every tensor whole) and in the host block (what is
+        sent), in saving order; returns the bytes of each."""
+        slot = host = 0
+        for item in self.items:
+            item.slot, item.host = slot, host
+            slot += aligned(item.full_bytes)
+            host += aligned(item.sent_bytes)
+        return slot, host
+
+    def _offload(self) -> None:
+        """Stage what goes to host memory in this layer's buffer, then copy it to a host block."""
+        memo, streams, b = self.memo, self.memo.streams, self.buffer
+        memo.reads_done()
+        buffer_need, host_need = self._layout()
+        memo.buffers.check(buffer_need, self.index)
+        self.held[0] = memo.pool.take(host_need, self.index)
+        streams.wait("compute", memo.buffers.offloaded[b])  # layer i-2's offload has left buffer b
+        streams.access("write", "compute", b, self.id)
+        sent = [item for item in self.items if item.sent_bytes]
+        for item in sent:
+            staged = self._slot(item, item.sent_bytes).view(item.dtype).view((item.rows,) + item.shape[1:])
+            streams.copy("compute", staged, item.tensor[: item.rows])
+        for item in self.items:
+            item.tensor = None
+        staged = streams.event("compute")
+        streams.wait("offload", staged)
+        streams.wait("offload", memo.pool.released)  # the block's previous bytes have been read back
+        streams.access("read", "offload", b, self.id)
+        streams.access("write", "offload", ("host", self.held[0]), self.id)
+        for item in sent:
+            streams.copy("offload", memo.pool.view(self.held[0], item.host, item.sent_bytes),
+                         self._slot(item, item.sent_bytes))
+        self.offloaded = memo.buffers.offloaded[b] = streams.event("offload")
+        memo.stats["offloaded_bytes"] += sum(item.sent_bytes for item in self.items)
+        memo.stats["peak_host_bytes"] = max(memo.stats["peak_host_bytes"], memo.host_bytes)
+
+    def _slot(self, item: _Item, nbytes: int) -> torch.Tensor:
+        return self.memo.buffers.view(self.buffer, item.slot, nbytes)
 
     # ---- backward ----------------------------------------------------------------------------
     def unpack(self, saved: _Saved) -> torch.Tensor:
@@ -271,96 +340,113 @@ class LayerState:
             self.rematerialize()
         if saved.kind == "tokens":
             return self.rebuilt[saved.key]
-        return _rebuild(self.storages[saved.key].device_copy, saved.view)
+        return _rebuild(self._whole_copy(saved.key), saved.view)
+
+    def _whole_copy(self, key: int) -> torch.Tensor:
+        item = self.items[key]
+        if item.tensor is not None:  # measuring: the original, left on the device
+            return item.tensor
+        return self._slot(item, item.full_bytes).view(item.dtype)
 
     def prefetch(self) -> None:
-        """Bring this layer's host copies into rounding buffer index % 2 (prefetch stream)."""
-        if any(item.device_copy is not None for item in self.storages.values()):
+        """Bring this layer's host block back into its rounding buffer (prefetch stream)."""
+        if self.prefetched is not None or self.memo.measuring is not None or self.held[0] is None:
             return
-        which = self.index % 2
-        if self.event is not None:  # the offload must be complete before the copy back
-            self.memo.prefetch_stream.wait_event(self.event)
-        if self.memo.cuda:  # and the buffer free: the layer that used it has finished
-            self.memo.prefetch_stream.wait_stream(torch.cuda.current_stream(self.memo.device))
-        items = list(self.storages.values()) + [p[0] for p in self.token_parts if p[0] is not None]
-        full = sum(p[2].itemsize * torch.Size(p[1]).numel() + 64 for p in self.token_parts)
-        self.memo.buffers.reset(which, sum(i.host.numel() * i.host.element_size() + 64 for i in items) + full)
-        for item in self.storages.values():
-            self.memo.to_device(item, self.memo.buffers.take(which, item.host.shape, item.host.dtype))
+        streams, b = self.memo.streams, self.buffer
+        # the buffer is free once the backward of the layer before in it (i+2) is over: it was
+        # issued on the compute stream before now; and the offloads in flight (this layer's, or a
+        # newer forward's staged in this buffer) run in order: the newest one covers them all
+        streams.wait("prefetch", streams.event("compute"))
+        streams.wait("prefetch", self.memo.buffers.offloaded[b])
+        streams.wait("prefetch", self.memo.buffers.offloaded[1 - b])
+        streams.access("write", "prefetch", b, self.id)
+        streams.access("read", "prefetch", ("host", self.held[0]), self.id)
+        for item in (item for item in self.items if item.sent_bytes):
+            host = self.memo.pool.view(self.held[0], item.host, item.sent_bytes)
+            streams.copy("prefetch", self._slot(item, item.sent_bytes), host)
+        self.prefetched = self.held[1] = streams.event("prefetch")
 
     def rematerialize(self) -> None:
-        self.prefetch()  # normally already done while the next layer's backward ran
+        streams = self.memo.streams
+        self.memo.reads_done()
+        self.prefetch()  # normally issued while the next layer's backward ran
         if self.previous is not None:
             self.previous.prefetch()  # overlap: layer i-1's copies come back during our backward
-        self.memo.wait_prefetch()
-        which = self.index % 2
-        recomputed = self._recompute() if self.n_off < self.tokens else [None] * len(self.token_parts)
+        streams.wait("compute", self.prefetched)  # our own copies only
+        streams.access("read", "compute", self.buffer, self.id)
+        self.memo.reading = (self.buffer, self.id)
+        recomputed = self._recompute() if self.n_off < self.tokens else {}
         rebuilt = {}
-        for k, (head, shape, dtype) in enumerate(self.token_parts):
-            full = self.memo.buffers.take(which, shape, dtype)
-            if head is not None:
-                self.memo.to_device(head, full[: self.n_off])
-            if recomputed[k] is not None:
+        for k, item in enumerate(self.items):
+            if item.whole:
+                continue
+            full = self._full(item)
+            if k in recomputed:
                 full[self.n_off :].copy_(recomputed[k])
             rebuilt[k] = full
-        self.memo.wait_prefetch()
         self.rebuilt = rebuilt
-        self._drop_host_copies()
-
-    def _drop_host_copies(self) -> None:
-        """Rebuilt on the device: the host copies (and the link to the previous layer) can go."""
-        for item in self.storages.values():
-            item.host = None
-        self.token_parts = [(None, shape, dtype) for _, shape, dtype in self.token_parts]
         self.previous = None
         _release(self.memo, self.held)
 
-    def _recompute(self) -> List[Optional[torch.Tensor]]:
+    def _full(self, item: _Item) -> torch.Tensor:
+        """A token-wise tensor whole: its slot, the prefetched rows first (measuring: a new tensor)."""
+        if self.memo.measuring is not None:
+            return torch.empty(item.shape, dtype=item.dtype, device=self.memo.device)
+        return self._slot(item, item.full_bytes).view(item.dtype).view(item.shape)
+
+    def _recompute(self) -> Dict[int, torch.Tensor]:
         """Run the layer on its dropped tokens only; collect their saved tensors in order."""
         # Autograd saves only what gradients of inputs that need them use: the replay's inputs
         # need gradients exactly when the forward's did, or other tensors would be saved.
-        x = _rebuild(self.storages[self.input_key].device_copy, self._input_view)[self.n_off :]
+        x = _rebuild(self._whole_copy(self.input_key), self._input_view)[self.n_off :]
         x = x.detach().requires_grad_(self._input_grad)
-        out_rows = self._attention_rows()
-        parts: List[Optional[torch.Tensor]] = [None] * len(self.token_parts)
-        replay = _Replay(self, x, out_rows, parts)
+        replay = _Replay(self, x, self._attention_rows())
         with torch.enable_grad(), _activate(replay), torch.autograd.graph.saved_tensors_hooks(replay.pack, lambda t: t):
             self.fn(hidden_states=x, **self.kwargs)
         self.memo.stats["recomputed_tokens"] += self.tokens - self.n_off
-        return parts
+        return replay.parts
 
     def _attention_rows(self) -> torch.Tensor:
         if self.attention_key is None:
             raise RuntimeError("MEMO needs the layer's core attention to be LongSeqCoreAttention")
-        rows = _rebuild(self.storages[self.attention_key].device_copy, self._attention_view)[self.n_off :]
+        rows = _rebuild(self._whole_copy(self.attention_key), self._attention_view)[self.n_off :]
         return rows.detach().requires_grad_(self._attention_grad)
 
 
 class _Replay:
-    """The recompute of the dropped tokens: the same ops, attention answered from its kept output;
-    saved tensors are matched to the forward's by order, classified the same way."""
+    """The recompute of the dropped tokens: the same ops, attention answered from its kept output
+    (its q, k, v recorded as the forward's attention saved them); saved tensors are matched to
+    the forward's token-wise ones by order."""
 
     phase = "replay"
 
-    def __init__(self, state: LayerState, x, out_rows, parts):
-        self.state, self.x, self.out_rows, self.parts = state, x, out_rows, parts
-        self.inputs = {x.untyped_storage().data_ptr()}
+    def __init__(self, state: LayerState, x, out_rows):
+        self.state, self.x, self.out_rows = state, x, out_rows
+        self.parts: Dict[int, torch.Tensor] = {}
+        self.skip = {x.untyped_storage().data_ptr(), out_rows.untyped_storage().data_ptr()}
         self.order: Dict[tuple, int] = {}
+        self.token_items = [k for k, item in enumerate(state.items) if not item.whole]
 
-    def attention_rows(self):
+    def attention_rows(self, query, key, value):
+        for t in (query, key, value):  # what the kept attention saved token-wise, in its order
+            self.pack(t)
         return self.out_rows
 
     def pack(self, t: torch.Tensor):
         ptr = t.untyped_storage().data_ptr()
         tokens = self.state.tokens - self.state.n_off
-        if ptr in self.state.memo.param_storages or ptr in self.inputs or ptr == self.out_rows.untyped_storage().data_ptr():
+        if ptr in self.state.memo.param_storages or ptr in self.skip:
             return t
         if t.dim() >= 1 and t.shape[0] == tokens:
             key = (ptr, tuple(t.shape), t.stride(), t.storage_offset())
             if key not in self.order:
-                k = self.order[key] = len(self.order)
-                if k >= len(self.parts) or tuple(t.shape[1:]) != self.state.token_parts[k][1][1:]:
-                    raise RuntimeError(f"MEMO layer {self.state.index}: the recompute saved a different tensor "
-                                       f"sequence than the forward (tensor {k}, shape {tuple(t.shape)})")
-                self.parts[k] = t.detach()
+                self._match(len(self.order), t)
+                self.order[key] = len(self.order)
         return t
+
+    def _match(self, k: int, t: torch.Tensor) -> None:
+        items = self.token_items
+        if k >= len(items) or tuple(t.shape[1:]) != self.state.items[items[k]].shape[1:]:
+            raise RuntimeError(f"MEMO layer {self.state.index}: the recompute saved a different tensor "
+                               f"sequence than the forward (tensor {k}, shape {tuple(t.shape)})")
+        self.parts[items[k]] = t.detach()

@@ -1,26 +1,45 @@
-"""MEMO's token-wise swap/recompute: the same loss and gradients as keeping every activation."""
+"""MEMO's token-wise swap/recompute: the same loss and gradients as keeping every activation; the
+bytes it offloads are the paper's S_input + S_attn + alpha x the rest; its copies follow the
+rounding-buffer schedule; its host memory stays within the pool it planned."""
 import gc
 
 import pytest
 import torch
 
+from megatron.longseq.memo.alpha import offloaded_rows
+from megatron.longseq.memo.buffers import MemoCapacityError
 from megatron.longseq.memo.runtime import Memo
-from tests.unit_tests.dist_utils import grid_groups, init_single_rank_world
+from megatron.longseq.memo.streams import Streams
+from tests.unit_tests.dist_utils import grid_groups, init_single_rank_world, run_ranks
+from tests.unit_tests.memo.schedule import ScheduleError, check
 from tests.unit_tests.model_utils import lm_loss, tiny_args, tiny_gpt
 
+GQA_ROPE = ("--group-query-attention --num-query-groups 2 --position-embedding-type rope "
+            "--swiglu --normalization RMSNorm --untie-embeddings-and-output-weights")
 CASES = {
     "mha-learned": "--num-layers 4",
-    "gqa-rope-swiglu-rms": ("--num-layers 5 --group-query-attention --num-query-groups 2 --position-embedding-type rope "
-                            "--swiglu --normalization RMSNorm --untie-embeddings-and-output-weights"),
+    "gqa-rope-swiglu-rms": "--num-layers 5 " + GQA_ROPE,
 }
 
 
-def iteration(args, alpha):
+def managed(args, alpha, log=None):
+    """A tiny GPT with every layer but the last two under MEMO, calibrated by one iteration."""
     model = tiny_gpt(args, grid_groups())
-    memo = None
-    if alpha is not None:
-        memo = Memo(alpha, torch.device("cpu"), {p.untyped_storage().data_ptr() for p in model.parameters()})
-        memo.wrap(model.decoder.layers)
+    memo = Memo(alpha, torch.device("cpu"), {p.untyped_storage().data_ptr() for p in model.parameters()}, log)
+    memo.wrap(model.decoder.layers)
+    sizes = memo.calibrate(lambda: lm_loss(model, args).backward())
+    model.zero_grad(set_to_none=True)
+    memo.reset_stats()
+    if log is not None:
+        log.clear()
+    return model, memo, sizes
+
+
+def iteration(args, alpha):
+    if alpha is None:
+        model, memo = tiny_gpt(args, grid_groups()), None
+    else:
+        model, memo, _ = managed(args, alpha)
     loss = lm_loss(model, args)
     loss.backward()
     del loss
@@ -42,12 +61,124 @@ def test_every_alpha_gives_the_same_gradients(case):
             # differently (a GPU, say) without hiding a wrong splice.
             torch.testing.assert_close(grad, reference[name], rtol=1e-6, atol=1e-9, msg=f"alpha {alpha}: {name}")
         assert memo.stats["layers"] == args.num_layers - 2  # the last two layers keep theirs
-        assert memo.host_bytes == 0  # every host copy released with its layer's saved tensors
+        assert memo.host_bytes == 0  # every host block back in the pool after its layer's backward
         offloaded.append(memo.stats["offloaded_bytes"])
         recomputed.append(memo.stats["recomputed_tokens"])
     tokens = args.seq_length * (args.num_layers - 2)
     assert recomputed == [tokens, tokens * 3 // 4, tokens // 2, 0]
     assert offloaded == sorted(offloaded) and offloaded[0] > 0  # alpha 0 still offloads input + attention
+
+
+# ---- the bytes: S_input + S_attn + alpha x the rest, per managed layer --------------------------------
+FORMULA = {
+    "mha": ("--num-layers 4", 1),
+    "gqa-rope": ("--num-layers 4 " + GQA_ROPE, 1),
+    "gqa-rope-ulysses": ("--num-layers 4 --context-parallel-size 2 --cp-comm-type a2a " + GQA_ROPE, 2),
+    "gqa-rope-ring": ("--num-layers 4 --context-parallel-size 2 --cp-comm-type p2p " + GQA_ROPE, 2),
+}
+
+
+def _formula(flags, alphas):
+    for alpha in alphas:
+        _formula_at(flags, alpha)
+
+
+def _formula_at(flags, alpha):
+    import torch.distributed as dist
+
+    import pretrain_gpt
+    from megatron.longseq.pipeline.seq1f1b import forward_backward_seq1f1b
+    from megatron.training.data import random_batches
+    from megatron.training.memo_setup import wrap_model
+    from megatron.training.model import build_model_chunks
+    from megatron.training.training import setup
+
+    args = tiny_args(flags, world_size=dist.get_world_size())
+    pgs = grid_groups(cp=args.context_parallel_size, hp=args.head_parallel_size)
+    state = setup(args, pgs, lambda a, p, d: build_model_chunks(a, p, d))
+    memo, layers = wrap_model(state, alpha, torch.device("cpu"))
+
+    def run():
+        forward_backward_seq1f1b(forward_step_func=pretrain_gpt.forward_step,
+                                 data_iterator=random_batches(args, pgs, seed=0), model=state.model,
+                                 num_microbatches=args.num_microbatches, micro_batch_size=args.micro_batch_size,
+                                 p2p_communicator=state.pipeline)
+
+    sizes = memo.calibrate(run)
+    memo.reset_stats()
+    run()
+    # independent of the runtime: the shapes the model must have (fp32 throughout)
+    s, b, h = args.seq_length // args.context_parallel_size, args.micro_batch_size, args.hidden_size
+    heads, groups, d = args.num_attention_heads, args.num_query_groups or args.num_attention_heads, args.kv_channels
+    s_input, s_out, s_lse = s * b * h * 4, s * b * h * 4, b * heads * s * 4  # lse [b, heads/hp, s * hp]
+    rows = {(s, b * heads * d * 4), (s, b * groups * d * 4)}
+    for layer in sizes:
+        assert layer.wholes == (s_input, s_out, s_lse)  # nothing but the input and S_attn goes whole
+        assert rows <= set(layer.parts)  # q, k, v are token-wise: recomputed from the input
+        assert all(r == s for r, _ in layer.parts)
+    rest = sizes[0].other_bytes
+    per_layer = s_input + s_out + s_lse + offloaded_rows(alpha, s) * rest // s
+    units = len(layers) * args.num_microbatches
+    assert memo.stats["layers"] == units
+    assert memo.stats["offloaded_bytes"] == units * per_layer
+    assert memo.stats["recomputed_tokens"] == units * (s - offloaded_rows(alpha, s))
+
+
+@pytest.mark.parametrize("case", FORMULA)
+def test_offloaded_bytes_are_input_attention_and_alpha_of_the_rest(case):
+    flags, world = FORMULA[case]
+    run_ranks(_formula, world, flags, (0.0, 0.25, 1.0))
+
+
+# ---- the schedule ----------------------------------------------------------------------------------
+def test_copies_follow_the_rounding_buffer_schedule():
+    init_single_rank_world()
+    args = tiny_args("--num-layers 7 " + GQA_ROPE)
+    log = []
+    model, memo, _ = managed(args, 0.5, log)
+    lm_loss(model, args).backward()
+    done = check(log)  # no read before its copy, no overwrite before the last reader
+    first_read = {}
+    for a in done:
+        if a.stream == "compute" and a.op == "read":
+            first_read.setdefault(a.owner, a.position)
+    prefetch = {a.owner: a.position for a in done if a.stream == "prefetch" and a.op == "write"}
+    managed_layers = args.num_layers - 2
+    assert sorted(prefetch) == list(range(managed_layers))
+    for layer in range(1, managed_layers):  # layer i-1's copies are under way before i's backward
+        assert prefetch[layer - 1] < first_read[layer]
+    # layer i+2's staging waits for layer i's offload: the two buffers alternate
+    writes = [a.buffer for a in done if a.stream == "compute" and a.op == "write"]
+    assert writes == [i % 2 for i in range(managed_layers)]
+
+
+class _NoComputeWaits(Streams):
+    def wait(self, name, event):
+        if name != "compute":
+            super().wait(name, event)
+
+
+def test_the_schedule_check_catches_a_missing_wait():
+    init_single_rank_world()
+    args = tiny_args("--num-layers 5")
+    log = []
+    model, memo, _ = managed(args, 0.5, log)
+    memo.streams = _NoComputeWaits(torch.device("cpu"), log)
+    lm_loss(model, args).backward()
+    with pytest.raises(ScheduleError, match="before"):
+        check(log)
+
+
+# ---- memory sized once -------------------------------------------------------------------------------
+def test_buffers_and_pool_are_sized_once_and_refuse_to_grow():
+    init_single_rank_world()
+    args = tiny_args(CASES["gqa-rope-swiglu-rms"])
+    model, memo, sizes = managed(args, 0.5)
+    assert memo.buffers.nbytes == max(s.buffer_bytes for s in sizes)
+    assert memo.pool.blocks == args.num_layers - 2 and memo.pool.block_bytes == sizes[0].host_bytes(0.5)
+    longer = tiny_args(CASES["gqa-rope-swiglu-rms"] + " --seq-length 64")
+    with pytest.raises(MemoCapacityError, match="rounding buffer"):
+        lm_loss(model, longer).backward()
 
 
 def test_eval_forward_is_untouched():
@@ -82,4 +213,4 @@ def test_layer_states_are_freed_after_backward():
         runtime.LayerState.forward = original
     gc.collect()
     alive = [s for s in states if s() is not None and s() is not s().memo.last]
-    assert len(states) == 2 and not alive  # only the runtime's pointer to the last layer may remain
+    assert len(states) == 4 and not alive  # only the runtime's pointer to the last layer may remain

@@ -26,12 +26,19 @@ def one_iteration(args, pgs):
     state = setup(args, pgs, lambda a, p, d: build_model_chunks(a, p, d))
     state.pipeline.measure_activations = True
     memo = None
+
+    def run():
+        return forward_backward_seq1f1b(
+            forward_step_func=pretrain_gpt.forward_step, data_iterator=random_batches(args, pgs, seed=0),
+            model=state.model, num_microbatches=args.num_microbatches, micro_batch_size=args.micro_batch_size,
+            p2p_communicator=state.pipeline)
+
     if args.memo:  # the runtime alone, at the forced alpha (the trainer's profile/plan aside)
         memo, managed = wrap_model(state, float(args.memo_swap_fraction), torch.device("cpu"))
-    reports = forward_backward_seq1f1b(
-        forward_step_func=pretrain_gpt.forward_step, data_iterator=random_batches(args, pgs, seed=0), model=state.model,
-        num_microbatches=args.num_microbatches, micro_batch_size=args.micro_batch_size,
-        p2p_communicator=state.pipeline)
+        memo.calibrate(run)  # a measured iteration sizes the rounding buffers and the host pool
+        state.optimizer.zero_grad()
+        memo.reset_stats()
+    reports = run()
     if memo is not None and managed:  # MEMO did take part: every managed forward went through it
         units = args.num_microbatches * args.pipe_sp_splits
         assert memo.stats["layers"] == len(managed) * units
