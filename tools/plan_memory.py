@@ -46,8 +46,10 @@ def profile_model(model_flags, save_trace=None) -> Trace:
     layers = list(model.decoder.layers)
     if args.memo:  # as the trainer: the last two layers keep their activations and get no window
         alpha = 0.5 if args.memo_swap_fraction == "auto" else float(args.memo_swap_fraction)
-        _, layers = wrap_model(state, alpha, torch.device("cpu"))
+        memo, layers = wrap_model(state, alpha, torch.device("cpu"))
     batch = next(random_batches(args, pgs, seed=12345))
+    if args.memo:  # a measured iteration sizes the rounding buffers and the host pool
+        memo.calibrate(lambda: _loss(model, batch).backward())
     trace = trace_iteration(lambda: _loss(model, batch).backward(), layers, torch.device("cpu"))
     if save_trace:
         trace.save(save_trace)

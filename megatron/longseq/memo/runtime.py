@@ -276,6 +276,7 @@ class LayerState:
         """The attention output [s, b, h*d] (and its lse): S_attn, offloaded whole; the replay
         answers from the output, attention's backward from both."""
         self.attention_key = self._whole_item(out)
+        self.attention_saved_qkv = lse is not None  # the kept attention; SDPA saved its own, whole
         if lse is not None:
             self._whole_item(lse)
         self._attention_view = (tuple(out.shape), out.stride(), out.storage_offset())
@@ -306,6 +307,8 @@ class LayerState:
         """Stage what goes to host memory in this layer's buffer, then copy it to a host block."""
         memo, streams, b = self.memo, self.memo.streams, self.buffer
         memo.reads_done()
+        if memo.buffers is None:
+            raise RuntimeError("MEMO: no rounding buffers yet; Memo.calibrate or Memo.allocate comes before training")
         buffer_need, host_need = self._layout()
         memo.buffers.check(buffer_need, self.index)
         self.held[0] = memo.pool.take(host_need, self.index)
@@ -428,8 +431,9 @@ class _Replay:
         self.token_items = [k for k, item in enumerate(state.items) if not item.whole]
 
     def attention_rows(self, query, key, value):
-        for t in (query, key, value):  # what the kept attention saved token-wise, in its order
-            self.pack(t)
+        if self.state.attention_saved_qkv:
+            for t in (query, key, value):  # what the kept attention saved token-wise, in its order
+                self.pack(t)
         return self.out_rows
 
     def pack(self, t: torch.Tensor):

@@ -77,7 +77,9 @@ def _real_trace(alpha):
     model = tiny_gpt(args, grid_groups())
     layers = list(model.decoder.layers)
     if alpha is not None:
-        Memo(alpha, torch.device("cpu"), {p.untyped_storage().data_ptr() for p in model.parameters()}).wrap(model.decoder.layers)
+        memo = Memo(alpha, torch.device("cpu"), {p.untyped_storage().data_ptr() for p in model.parameters()})
+        memo.wrap(model.decoder.layers)
+        memo.calibrate(lambda: lm_loss(model, args).backward())
     return trace_iteration(lambda: lm_loss(model, args).backward(), layers, torch.device("cpu"))
 
 

@@ -10,6 +10,7 @@ from megatron.longseq.memo.alpha import offloaded_rows
 from megatron.longseq.memo.buffers import MemoCapacityError
 from megatron.longseq.memo.runtime import Memo
 from megatron.longseq.memo.streams import Streams
+from megatron.longseq.random import seed_everything
 from tests.unit_tests.dist_utils import grid_groups, init_single_rank_world, run_ranks
 from tests.unit_tests.memo.schedule import ScheduleError, check
 from tests.unit_tests.model_utils import lm_loss, tiny_args, tiny_gpt
@@ -19,6 +20,8 @@ GQA_ROPE = ("--group-query-attention --num-query-groups 2 --position-embedding-t
 CASES = {
     "mha-learned": "--num-layers 4",
     "gqa-rope-swiglu-rms": "--num-layers 5 " + GQA_ROPE,
+    # torch's SDPA (it draws the dropout mask): everything it saves is offloaded whole
+    "mha-attention-dropout": "--num-layers 4 --attention-dropout 0.25",
 }
 
 
@@ -40,6 +43,7 @@ def iteration(args, alpha):
         model, memo = tiny_gpt(args, grid_groups()), None
     else:
         model, memo, _ = managed(args, alpha)
+    seed_everything(7, 0, torch.device("cpu"))  # the same dropout masks with and without MEMO
     loss = lm_loss(model, args)
     loss.backward()
     del loss
