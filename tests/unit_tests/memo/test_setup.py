@@ -1,0 +1,61 @@
+"""MEMO in the trainer (memo_setup): the host memory it takes, profiling included, stays within
+--memo-host-memory-gb; a budget too small is refused before any is taken."""
+import pytest
+import torch
+
+from megatron.longseq.memo.alpha import HostMemoryError, LayerProfile, block_bytes
+from megatron.longseq.memo.streams import HOST, reset_host_peak
+from tests.unit_tests.dist_utils import grid_groups, init_single_rank_world
+from tests.unit_tests.model_utils import tiny_args
+
+MODEL = ("--num-layers 5 --group-query-attention --num-query-groups 2 --position-embedding-type rope "
+         "--swiglu --normalization RMSNorm --memo --memo-planner greedy")
+
+
+def _setup(budget_bytes):
+    import pretrain_gpt
+    from megatron.training.memo_setup import setup_memo
+    from megatron.training.model import build_model_chunks
+    from megatron.training.training import setup
+
+    init_single_rank_world()
+    args = tiny_args(f"{MODEL} --memo-host-memory-gb {budget_bytes / 2**30!r}")
+    pgs = grid_groups()
+    state = setup(args, pgs, lambda a, p, d: build_model_chunks(a, p, d))
+    return setup_memo(args, pgs, state, pretrain_gpt.forward_step, torch.device("cpu"))
+
+
+def _needs():
+    """Host bytes the tiny model needs at alpha 0 and 1, from the runtime's own measure."""
+    from megatron.longseq.memo.runtime import Memo
+    from tests.unit_tests.model_utils import lm_loss, tiny_gpt
+
+    init_single_rank_world()
+    args = tiny_args(MODEL)
+    model = tiny_gpt(args, grid_groups())
+    memo = Memo(0.0, torch.device("cpu"))
+    memo.wrap(model.decoder.layers)
+    sizes = memo.measure(lambda: lm_loss(model, args).backward())
+    p = LayerProfile(max(s.input_bytes for s in sizes), max(s.attention_bytes for s in sizes),
+                     max(s.other_bytes for s in sizes), 1.0, max(s.slack_bytes for s in sizes))
+    return memo.peak_live * block_bytes(p, 0.0), memo.peak_live * block_bytes(p, 1.0)
+
+
+def test_a_budget_between_alpha_0_and_1_is_never_exceeded_profiling_included():
+    low, high = _needs()
+    budget = (low + high) // 2
+    reset_host_peak()
+    before = HOST["now"]
+    memo = _setup(budget)
+    assert 0.0 < memo.alpha < 1.0  # the host budget, not bandwidth, bounds alpha here
+    assert memo.pool.memory.numel() <= budget
+    assert HOST["peak"] - before <= budget  # the bandwidth probe and the pool, never together over
+
+
+def test_a_budget_too_small_is_refused_before_any_host_memory_is_taken():
+    low, _ = _needs()
+    reset_host_peak()
+    before = HOST["now"]
+    with pytest.raises(HostMemoryError, match="even at alpha = 0"):
+        _setup(low // 2)
+    assert HOST["peak"] == before  # nothing was pinned: not the probe, not the pool
