@@ -11,7 +11,11 @@ What the runtime does with it on a GPU (`--memo-allocator planned`):
   3. plan it (planner.bilevel_plan) and load every window's request sequence with its level-1
      offsets (MemoryPlan.windows, also in a saved plan); the arena is reserved at twice the
      largest window's extent (two halves: even and odd layers);
-  4. every layer forward/backward runs as a window, and the cache's epoch advances.
+  4. every layer forward/backward runs as a window.
+Streams: torch's pluggable allocator drops record_stream, so arena.c keeps streams itself (a freed
+block is reused by its own stream only, and waits for the streams `record_stream` named here);
+NCCL keeps the tensors of a collective alive until its wait() (TORCH_NCCL_AVOID_RECORD_STREAMS=1,
+set by `install`).
 """
 from __future__ import annotations
 
@@ -67,7 +71,9 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.arena_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
     lib.arena_reserve.argtypes = [_I64]
     lib.arena_set_window.argtypes = [ctypes.c_int, _I64, ctypes.POINTER(_I64), ctypes.POINTER(_I64)]
-    lib.arena_begin.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.arena_begin.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    lib.arena_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.arena_fake_stream_done.argtypes = [ctypes.c_void_p]
     lib.arena_end.argtypes = [ctypes.c_int]
     lib.arena_stats.argtypes = [ctypes.POINTER(_I64)]
     lib.arena_stat_count.restype = _I64
@@ -133,21 +139,31 @@ class PlannedAllocator:
         return half
 
     # ---- windows -------------------------------------------------------------------------------
-    def begin(self, label: str) -> None:
-        self.lib.arena_begin(self.window_id(label), layer_half(label))
+    def begin(self, label: str, stream: int = 0) -> None:
+        """Replay window `label` for the requests of `stream` (on a GPU: the current stream)."""
+        if self.backend == "cuda":
+            stream = torch.cuda.current_stream().cuda_stream
+        self.lib.arena_begin(self.window_id(label), layer_half(label), stream or None)
 
     def end(self, label: str) -> None:
         self.lib.arena_end(self.window_id(label))
 
-    def epoch(self) -> None:
-        self.lib.arena_epoch()
+    def record_stream(self, ptr: int, stream: int) -> None:
+        """torch's record_stream for this allocator (torch's pluggable allocator drops the call):
+        `stream` uses the block at `ptr`, so its free waits for that stream."""
+        if self.lib.arena_record_stream(ptr, stream or None) != 0:
+            raise RuntimeError(f"MEMO planned allocator: cannot record stream {stream:#x} on block {ptr:#x}")
 
-    # ---- raw requests (tests drive the heap backend with them) ----------------------------------
-    def malloc(self, size: int) -> Optional[int]:
-        return self.lib.arena_malloc(size, 0, None)
+    # ---- raw requests (tests drive the heap backend with them; a stream is any handle) -----------
+    def malloc(self, size: int, stream: int = 0) -> Optional[int]:
+        return self.lib.arena_malloc(size, 0, stream or None)
 
-    def free(self, ptr: int, size: int) -> None:
-        self.lib.arena_free(ptr, size, 0, None)
+    def free(self, ptr: int, size: int, stream: int = 0) -> None:
+        self.lib.arena_free(ptr, size, 0, stream or None)
+
+    def fake_stream_done(self, stream: int) -> None:
+        """Heap backend: `stream` has run all it was given."""
+        self.lib.arena_fake_stream_done(stream or None)
 
     @property
     def base(self) -> int:
@@ -202,6 +218,8 @@ def install() -> "PlannedAllocator":
     """Install the planned allocator as this process's CUDA allocator (once)."""
     global INSTALLED
     if INSTALLED is None:
+        # NCCL's record_stream would be dropped: have it hold its tensors until wait() instead
+        os.environ["TORCH_NCCL_AVOID_RECORD_STREAMS"] = "1"
         allocator = PlannedAllocator("cuda")
         allocator.install()
         INSTALLED = allocator
@@ -209,10 +227,9 @@ def install() -> "PlannedAllocator":
 
 
 class WindowDriver:
-    """Turns the profiler's layer-window marks ("begin fwd L3", ...) into allocator windows; every
-    window begin is a new epoch of the cache. MEMO's side streams copy only between its rounding
-    buffers and host memory, never from a block this allocator hands out per layer, so a window
-    needs no wait for them."""
+    """Turns the profiler's layer-window marks ("begin fwd L3", ...) into allocator windows. MEMO's
+    side streams copy only between its rounding buffers and host memory, never from a block this
+    allocator hands out per layer, so a window needs no wait for them."""
 
     def __init__(self, allocator: PlannedAllocator):
         self.allocator = allocator
@@ -220,7 +237,6 @@ class WindowDriver:
     def mark(self, label: str) -> None:
         what, window = label.split(" ", 1)
         if what == "begin":
-            self.allocator.epoch()
             self.allocator.begin(window)
         else:
             self.allocator.end(window)

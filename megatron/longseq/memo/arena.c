@@ -10,13 +10,16 @@
  *     cache. A size that differs, or a planned range that overlaps a block still alive, ends the
  *     replay for the rest of the window (counted) and the cache serves it: a divergence costs
  *     memory, never correctness.
- *   - The arena has two halves, used by even and odd layers (like MEMO's rounding buffers): a
- *     layer's offload copies may still read its half while the next layer computes in the other.
- *     Before a half is reused, the caller makes the compute stream wait for those copies.
- *   - Cached blocks freed by the caller become reusable only two epochs later (arena_epoch, called
- *     when the caller has ordered the compute stream after the previous epoch's side-stream
- *     copies). When the backend is out of memory, the allocator synchronizes the device, reclaims
- *     every pending and cached block and retries once (counted as a retry).
+ *   - The arena has two halves, used by even and odd layers (like MEMO's rounding buffers). Only
+ *     requests on the window's stream are replayed at the plan's offsets; requests from other
+ *     streams keep their place in the sequence and go to the cache.
+ *   - Streams, as torch's caching allocator keeps them: a freed block is reused at once by its own
+ *     stream (stream order makes that safe) and never by another. A block some other stream used
+ *     (arena_record_stream) stays reserved after its free until an event recorded on each of
+ *     those streams at the free has completed; an arena block in that state refuses the plan's
+ *     reuse of its range (counted as an overlap refusal). When the backend is out of memory, the
+ *     allocator synchronizes the device, reclaims every pending and cached block and retries once
+ *     (counted as a retry).
  *   - With recording on, every malloc, free and window mark is appended to an event log: on a GPU
  *     this is the job profiler's trace, windows included.
  *
@@ -34,10 +37,14 @@
 
 #define ROUND 512 /* cache granularity: every cached block is a multiple of it */
 
+#define MAX_USERS 8 /* other streams one block may be recorded on */
+
 typedef struct {
     char *ptr;
-    int64_t size;  /* rounded */
-    int64_t epoch; /* pending: freed in this epoch */
+    int64_t size;  /* cache: rounded */
+    void *stream;  /* the stream it was allocated on */
+    int n_users;   /* live: other streams recorded on it; pending: events still to complete */
+    void *users[MAX_USERS];
 } Block;
 
 typedef struct {
@@ -72,9 +79,12 @@ static void *cuda_lib = NULL;
 static int (*cu_alloc)(uint64_t *, size_t) = NULL;
 static int (*cu_free)(uint64_t) = NULL;
 static int (*cu_sync)(void) = NULL;
+static int (*cu_event_create)(void **, unsigned) = NULL;
+static int (*cu_event_record)(void *, void *) = NULL;
+static int (*cu_event_query)(void *) = NULL;
+static int (*cu_event_destroy)(void *) = NULL;
 
-static Blocks cached = {0}, pending = {0}, live_cached = {0};
-static int64_t epoch = 0;
+static Blocks cached = {0}, pending = {0}, live_cached = {0}, pending_arena = {0};
 
 static char *arena = NULL;
 static int64_t half_bytes = 0;
@@ -83,6 +93,7 @@ static Blocks live_arena = {0}; /* ptr/size of arena blocks handed out and not y
 
 static int active = -1;  /* window being replayed, -1: none */
 static int active_half = 0;
+static void *active_stream = NULL; /* the stream whose requests the window replays */
 static int64_t position = 0;
 static int diverged = 0;
 
@@ -164,8 +175,50 @@ static void backend_free(char *p, int64_t size) {
     backend_bytes -= size;
 }
 
+/* Events. The heap backend has no device: its "streams" are opaque handles, an event is a
+ * ticket on one, and a stream has passed its tickets once arena_fake_stream_done says so. */
+typedef struct { void *stream; int64_t recorded, done; } FakeStream;
+typedef struct { FakeStream *on; int64_t ticket; } FakeEvent;
+enum { MAX_FAKE_STREAMS = 64 };
+static FakeStream fake_streams[MAX_FAKE_STREAMS];
+static int n_fake_streams = 0;
+
+static FakeStream *fake_stream(void *stream) {
+    for (int i = 0; i < n_fake_streams; i++)
+        if (fake_streams[i].stream == stream) return &fake_streams[i];
+    if (n_fake_streams == MAX_FAKE_STREAMS) return NULL;
+    fake_streams[n_fake_streams] = (FakeStream){stream, 0, 0};
+    return &fake_streams[n_fake_streams++];
+}
+
+static void *event_record(void *stream) {
+    if (backend_cuda) {
+        void *ev = NULL;
+        if (cu_event_create(&ev, 2 /* CU_EVENT_DISABLE_TIMING */) != 0) return NULL;
+        if (cu_event_record(ev, stream) != 0) { cu_event_destroy(ev); return NULL; }
+        return ev;
+    }
+    FakeStream *on = fake_stream(stream);
+    FakeEvent *ev = on ? malloc(sizeof(FakeEvent)) : NULL;
+    if (ev) *ev = (FakeEvent){on, ++on->recorded};
+    return ev;
+}
+
+static int event_done(void *ev) {
+    if (backend_cuda) return cu_event_query(ev) == 0;
+    FakeEvent *fe = ev;
+    return fe->ticket <= fe->on->done;
+}
+
+static void event_destroy(void *ev) {
+    if (backend_cuda) cu_event_destroy(ev);
+    else free(ev);
+}
+
 static void backend_sync(void) {
     if (backend_cuda) cu_sync();
+    else
+        for (int i = 0; i < n_fake_streams; i++) fake_streams[i].done = fake_streams[i].recorded;
 }
 
 int arena_init(int use_cuda, int64_t capacity) {
@@ -177,31 +230,70 @@ int arena_init(int use_cuda, int64_t capacity) {
     cu_alloc = (int (*)(uint64_t *, size_t))dlsym(cuda_lib, "cuMemAlloc_v2");
     cu_free = (int (*)(uint64_t))dlsym(cuda_lib, "cuMemFree_v2");
     cu_sync = (int (*)(void))dlsym(cuda_lib, "cuCtxSynchronize");
-    return (cu_alloc && cu_free && cu_sync) ? 0 : -2;
+    cu_event_create = (int (*)(void **, unsigned))dlsym(cuda_lib, "cuEventCreate");
+    cu_event_record = (int (*)(void *, void *))dlsym(cuda_lib, "cuEventRecord");
+    cu_event_query = (int (*)(void *))dlsym(cuda_lib, "cuEventQuery");
+    cu_event_destroy = (int (*)(void *))dlsym(cuda_lib, "cuEventDestroy_v2");
+    return (cu_alloc && cu_free && cu_sync && cu_event_create && cu_event_record && cu_event_query &&
+            cu_event_destroy) ? 0 : -2;
 }
 
-/* ---- the cache ----------------------------------------------------------------------------- */
-static void reclaim_pending(int64_t before_epoch) {
+/* ---- streams on blocks ------------------------------------------------------------------------ */
+/* At a free: an event on every other stream that used the block; 0 when none did. */
+static int record_user_events(Block *b) {
+    int n = 0;
+    for (int i = 0; i < b->n_users; i++) {
+        void *ev = event_record(b->users[i]);
+        if (!ev) { backend_sync(); for (int j = 0; j < n; j++) event_destroy(b->users[j]); return 0; }
+        b->users[n++] = ev;
+    }
+    b->n_users = n;
+    return n;
+}
+
+/* Pending: every event done? (then the events are gone and the block is free) */
+static int passed(Block *b) {
+    for (int i = 0; i < b->n_users; i++)
+        if (!event_done(b->users[i])) return 0;
+    for (int i = 0; i < b->n_users; i++) event_destroy(b->users[i]);
+    b->n_users = 0;
+    return 1;
+}
+
+static void reclaim_pending(void) {
     for (int64_t i = 0; i < pending.n;) {
-        if (pending.items[i].epoch < before_epoch) push(&cached, take_at(&pending, i));
+        if (passed(&pending.items[i])) push(&cached, take_at(&pending, i));
+        else i++;
+    }
+    for (int64_t i = 0; i < pending_arena.n;) {
+        if (passed(&pending_arena.items[i])) take_at(&pending_arena, i);
         else i++;
     }
 }
 
+/* ---- the cache ----------------------------------------------------------------------------- */
 static void release_cached(void) {
     for (int64_t i = 0; i < cached.n; i++) backend_free(cached.items[i].ptr, cached.items[i].size);
     cached.n = 0;
 }
 
-static char *cache_alloc(int64_t size) {
-    int64_t rounded = (size + ROUND - 1) / ROUND * ROUND;
-    if (rounded == 0) rounded = ROUND;
+static int64_t best_cached(int64_t rounded, void *stream) {
     int64_t best = -1;
-    /* best fit among blocks no more than 25% larger: a cached block is never split */
+    /* best fit among this stream's blocks no more than 25% larger: a cached block is never split */
     for (int64_t i = 0; i < cached.n; i++) {
         int64_t s = cached.items[i].size;
-        if (s >= rounded && s <= rounded + rounded / 4 && (best < 0 || s < cached.items[best].size)) best = i;
+        if (cached.items[i].stream == stream && s >= rounded && s <= rounded + rounded / 4 &&
+            (best < 0 || s < cached.items[best].size))
+            best = i;
     }
+    return best;
+}
+
+static char *cache_alloc(int64_t size, void *stream) {
+    int64_t rounded = (size + ROUND - 1) / ROUND * ROUND;
+    if (rounded == 0) rounded = ROUND;
+    reclaim_pending();
+    int64_t best = best_cached(rounded, stream);
     Block b;
     if (best >= 0) {
         b = take_at(&cached, best);
@@ -211,28 +303,30 @@ static char *cache_alloc(int64_t size) {
         if (!p) { /* out of memory: wait for every stream, take back everything cached, retry */
             stats[S_RETRIES]++;
             backend_sync();
-            reclaim_pending(INT64_MAX);
+            reclaim_pending();
             release_cached();
             p = backend_alloc(rounded);
             if (!p) { stats[S_FAILED]++; return NULL; }
         }
-        b = (Block){p, rounded, 0};
+        b = (Block){p, rounded, stream, 0, {0}};
     }
+    b.stream = stream;
+    b.n_users = 0;
     push(&live_cached, b);
     stats[S_CACHED_ALLOCS]++;
     return b.ptr;
 }
 
 /* ---- the arena ----------------------------------------------------------------------------- */
-static int overlaps_live(const char *p, int64_t size) {
-    for (int64_t i = 0; i < live_arena.n; i++) {
-        const Block *b = &live_arena.items[i];
+static int overlaps(const Blocks *bs, const char *p, int64_t size) {
+    for (int64_t i = 0; i < bs->n; i++) {
+        const Block *b = &bs->items[i];
         if (p < b->ptr + b->size && b->ptr < p + size) return 1;
     }
     return 0;
 }
 
-static char *planned_alloc(int64_t size) {
+static char *planned_alloc(int64_t size, void *stream) {
     Window *w = &windows[active];
     if (diverged || position >= w->n || w->sizes[position] != size) {
         if (!diverged) stats[S_DIVERGED_WINDOWS]++;
@@ -240,22 +334,23 @@ static char *planned_alloc(int64_t size) {
         return NULL;
     }
     int64_t offset = w->offsets[position++];
-    if (offset < 0) return NULL; /* planned to outlive the window: the cache holds it */
+    if (offset < 0 || stream != active_stream) return NULL; /* outlives the window, or another stream's */
     char *p = arena + active_half * half_bytes + offset;
-    if (offset + size > half_bytes || overlaps_live(p, size)) {
+    reclaim_pending();
+    if (offset + size > half_bytes || overlaps(&live_arena, p, size) || overlaps(&pending_arena, p, size)) {
         stats[S_OVERLAPS]++;
         stats[S_DIVERGED_WINDOWS]++;
         diverged = 1;
         return NULL;
     }
-    push(&live_arena, (Block){p, size, 0});
+    push(&live_arena, (Block){p, size, stream, 0, {0}});
     stats[S_PLANNED]++;
     stats[S_PLANNED_BYTES] += size;
     return p;
 }
 
 static int reserve(int64_t bytes_per_half) {
-    if (live_arena.n) return -1; /* blocks still live in the old arena */
+    if (live_arena.n || pending_arena.n) return -1; /* blocks still in use in the old arena */
     if (arena) backend_free(arena, 2 * half_bytes);
     arena = NULL;
     half_bytes = 0;
@@ -294,10 +389,11 @@ int arena_set_window(int id, int64_t n, const int64_t *sizes, const int64_t *off
     return rc;
 }
 
-void arena_begin(int id, int half) {
+void arena_begin(int id, int half, void *stream) {
     LOCK;
     active = (arena && id >= 0 && id < MAX_WINDOWS && windows[id].sizes) ? id : -1;
     active_half = half & 1;
+    active_stream = stream;
     position = 0;
     diverged = 0;
     if (active >= 0) stats[S_WINDOWS_RUN]++;
@@ -314,20 +410,12 @@ void arena_end(int id) {
     UNLOCK;
 }
 
-void arena_epoch(void) {
-    LOCK;
-    epoch++;
-    reclaim_pending(epoch - 1); /* freed two or more epochs ago */
-    UNLOCK;
-}
-
 /* ---- the pluggable allocator's entry points -------------------------------------------------- */
 void *arena_malloc(ssize_t size, int device, void *stream) {
     (void)device;
-    (void)stream;
     LOCK;
-    char *p = active >= 0 ? planned_alloc(size) : NULL;
-    if (!p) p = cache_alloc(size);
+    char *p = active >= 0 ? planned_alloc(size, stream) : NULL;
+    if (!p) p = cache_alloc(size, stream);
     if (p) {
         stats[S_ALLOCATED] += size;
         if (stats[S_ALLOCATED] > stats[S_PEAK_ALLOCATED]) stats[S_PEAK_ALLOCATED] = stats[S_ALLOCATED];
@@ -346,13 +434,39 @@ void arena_free(void *ptr, ssize_t size, int device, void *stream) {
     record(1, (int64_t)(uintptr_t)p, size);
     stats[S_ALLOCATED] -= size;
     int64_t i = find_ptr(&live_arena, p);
-    if (i >= 0) { /* the arena's memory is the plan's: nothing to give back */
-        take_at(&live_arena, i);
+    if (i >= 0) { /* the arena's memory is the plan's: reserved only while other streams use it */
+        Block b = take_at(&live_arena, i);
+        if (record_user_events(&b)) push(&pending_arena, b);
     } else if ((i = find_ptr(&live_cached, p)) >= 0) {
         Block b = take_at(&live_cached, i);
-        b.epoch = epoch;
-        push(&pending, b);
+        push(record_user_events(&b) ? &pending : &cached, b);
     } /* else: never handed out by us; ignored rather than corrupt the cache */
+    UNLOCK;
+}
+
+/* Another stream uses this live block (torch's record_stream): its free waits for that stream.
+ * Returns 0, or -1 for a block not handed out by us or one with too many streams. */
+int arena_record_stream(void *ptr, void *stream) {
+    LOCK;
+    int64_t i = find_ptr(&live_cached, ptr);
+    Block *b = i >= 0 ? &live_cached.items[i] : NULL;
+    if (!b && (i = find_ptr(&live_arena, ptr)) >= 0) b = &live_arena.items[i];
+    int rc = b ? 0 : -1;
+    if (b && stream != b->stream) {
+        int known = 0;
+        for (int k = 0; k < b->n_users; k++) known |= b->users[k] == stream;
+        if (!known && b->n_users == MAX_USERS) rc = -1;
+        else if (!known) b->users[b->n_users++] = stream;
+    }
+    UNLOCK;
+    return rc;
+}
+
+/* Heap backend: `stream` has run everything recorded on it so far. */
+void arena_fake_stream_done(void *stream) {
+    LOCK;
+    FakeStream *on = fake_stream(stream);
+    if (on) on->done = on->recorded;
     UNLOCK;
 }
 
@@ -404,7 +518,7 @@ int64_t arena_events(int64_t *out, int64_t max_events) {
 void arena_settle(void) {
     LOCK;
     backend_sync();
-    reclaim_pending(INT64_MAX);
+    reclaim_pending();
     UNLOCK;
 }
 
@@ -413,7 +527,7 @@ void arena_settle(void) {
 void arena_reset(void) {
     LOCK;
     backend_sync();
-    reclaim_pending(INT64_MAX);
+    reclaim_pending();
     for (int64_t i = 0; i < live_cached.n; i++) push(&cached, live_cached.items[i]);
     live_cached.n = 0;
     release_cached();
@@ -426,8 +540,9 @@ void arena_reset(void) {
         free(windows[i].offsets);
         windows[i] = (Window){0, NULL, NULL};
     }
+    pending_arena.n = 0;
+    n_fake_streams = 0;
     active = -1;
-    epoch = 0;
     recording = 0;
     n_events = 0;
     memset(stats, 0, sizeof(stats));
@@ -438,7 +553,7 @@ void arena_reset(void) {
 void arena_empty_cache(void) {
     LOCK;
     backend_sync();
-    reclaim_pending(INT64_MAX);
+    reclaim_pending();
     release_cached();
     UNLOCK;
 }

@@ -106,24 +106,58 @@ def test_a_tensor_that_outlives_its_plan_is_never_overwritten(traced):
     assert stats["overlap_refusals"] >= 1 and stats["diverged_windows"] >= 1
 
 
-def test_cache_reuses_frees_two_epochs_later_and_retries_when_full():
+S, T = 0x51, 0x7E  # two streams (any handles on the heap backend)
+
+
+def test_cache_reuses_a_block_on_its_own_stream_and_retries_when_full():
     alloc = PlannedAllocator("heap", capacity=4 * 4096)
-    a = alloc.malloc(4096)
-    alloc.free(a, 4096)
-    b = alloc.malloc(4096)
-    assert b != a  # freed in this epoch: a side stream may still read it
-    alloc.epoch()
-    alloc.epoch()
-    assert alloc.malloc(4096) == a  # two epochs on: reused
-    c, d = alloc.malloc(4096), alloc.malloc(4096)
-    assert alloc.stats()["backend_bytes"] == 4 * 4096
-    alloc.free(c, 4096)
-    e = alloc.malloc(4096)  # the heap is full and c is still pending: settle and retry
+    a = alloc.malloc(4096, S)
+    alloc.free(a, 4096, S)
+    b = alloc.malloc(4096, T)
+    assert b != a  # another stream: its work may run before S is done with a
+    assert alloc.malloc(4096, S) == a  # the same stream: stream order makes reuse safe
+    c, d = alloc.malloc(4096, S), alloc.malloc(4096, S)
+    assert d is not None and alloc.stats()["backend_bytes"] == 4 * 4096
+    alloc.free(c, 4096, S)
+    e = alloc.malloc(4096, T)  # the heap is full and c is S's: synchronize and retry
     assert e == c
     stats = alloc.stats()
     assert stats["retries"] == 1 and stats["failed_allocs"] == 0 and stats["backend_bytes"] <= 4 * 4096
-    assert alloc.malloc(8192) is None  # nothing left to reclaim: a clean failure, counted
+    assert alloc.malloc(8192, S) is None  # nothing left to reclaim: a clean failure, counted
     assert alloc.stats()["failed_allocs"] == 1
+
+
+def test_a_block_another_stream_used_waits_for_that_stream():
+    alloc = PlannedAllocator("heap")
+    a = alloc.malloc(4096, S)
+    alloc.record_stream(a, T)  # T reads it (a copy, a collective)
+    alloc.free(a, 4096, S)
+    assert alloc.malloc(4096, S) != a  # T has not passed the free yet
+    alloc.fake_stream_done(T)
+    assert alloc.malloc(4096, S) == a
+
+
+def test_a_planned_range_another_stream_used_is_not_replayed_until_it_passed():
+    alloc = PlannedAllocator("heap")
+    alloc.load({"fwd L2": ((4096,), (0,))})
+
+    def window():
+        alloc.begin("fwd L2", S)
+        p = alloc.malloc(4096, S)
+        alloc.end("fwd L2")
+        return p
+
+    p = window()
+    assert p == alloc.base
+    alloc.record_stream(p, T)
+    alloc.free(p, 4096, S)
+    q = window()
+    assert q != alloc.base and alloc.stats()["overlap_refusals"] == 1  # T may still read it
+    alloc.free(q, 4096, S)
+    alloc.fake_stream_done(T)
+    assert window() == alloc.base
+    alloc.begin("fwd L2", S)
+    assert alloc.malloc(4096, T) != alloc.base  # another stream's request keeps its place, not the plan's
 
 
 def test_recorded_trace_is_a_plannable_trace(traced):
