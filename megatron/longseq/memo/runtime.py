@@ -208,7 +208,6 @@ class LayerState:
         self.phase = "forward"
         self.rebuilt: Optional[Dict[int, torch.Tensor]] = None
         self.held = [None, None, 0]  # host block, the event after its prefetch, live count
-        self.offloaded = None  # event: this layer's offload copies are done
         self.prefetched = None  # event: this layer's prefetch copies are done
 
     # ---- forward -----------------------------------------------------------------------------
@@ -223,8 +222,10 @@ class LayerState:
         self.memo.live += 1
         self.held[2] = 1
         self.memo.peak_live = max(self.memo.peak_live, self.memo.live)
-        if self.memo.measuring is not None:
+        if self.memo.measuring is not None:  # token-wise tensors are recomputed whole: drop them
             self.memo.measuring.append(self.sizes())
+            for item in self.items:
+                item.tensor = item.tensor if item.whole else None
         else:
             self._offload()
         # a forward that never gets a backward releases when it is dropped (the finalizer must
@@ -328,7 +329,7 @@ class LayerState:
         for item in sent:
             streams.copy("offload", memo.pool.view(self.held[0], item.host, item.sent_bytes),
                          self._slot(item, item.sent_bytes))
-        self.offloaded = memo.buffers.offloaded[b] = streams.event("offload")
+        memo.buffers.offloaded[b] = streams.event("offload")
         memo.stats["offloaded_bytes"] += sum(item.sent_bytes for item in self.items)
         memo.stats["peak_host_bytes"] = max(memo.stats["peak_host_bytes"], memo.host_bytes)
 
