@@ -80,6 +80,3 @@ class Streams:
         """For the log: stream `name` reads or writes `buffer` (a rounding buffer's index, or
         ("host", block)) for layer `owner`."""
         self._note(op, name, buffer, owner)
-
-    def mark(self, what: str, owner: int) -> None:
-        self._note("mark", what, owner)

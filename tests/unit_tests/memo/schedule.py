@@ -35,8 +35,6 @@ def accesses(log: List[tuple]) -> List[Access]:
     out = []
     for position, entry in enumerate(log):
         kind = entry[0]
-        if kind == "mark":
-            continue
         clock = clocks.setdefault(entry[1], {})
         if kind == "wait":
             for stream, count in events[entry[2]].items():
