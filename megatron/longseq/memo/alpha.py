@@ -73,6 +73,13 @@ class LayerProfile:
     forward_seconds: float
     slack_bytes: int = 0
 
+    @classmethod
+    def largest(cls, sizes, forward_seconds: float) -> "LayerProfile":
+        """The profile that bounds every measured layer (Seq1F1B segments differ): each kind's
+        largest bytes."""
+        return cls(max(s.input_bytes for s in sizes), max(s.attention_bytes for s in sizes),
+                   max(s.other_bytes for s in sizes), forward_seconds, max(s.slack_bytes for s in sizes))
+
 
 @dataclass(frozen=True)
 class AlphaPlan:

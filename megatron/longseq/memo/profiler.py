@@ -63,10 +63,7 @@ def profile_sizes(memo, run_microbatch: Callable[[], None], layers: List[torch.n
         runtime.LayerState.forward = original
     if not sizes:
         return None, []
-    profile = LayerProfile(max(s.input_bytes for s in sizes), max(s.attention_bytes for s in sizes),
-                           max(s.other_bytes for s in sizes), _forward_seconds(layers[0], first[0], device),
-                           max(s.slack_bytes for s in sizes))
-    return profile, sizes
+    return LayerProfile.largest(sizes, _forward_seconds(layers[0], first[0], device)), sizes
 
 
 def _forward_seconds(layer, state, device) -> float:
