@@ -11,9 +11,8 @@ import torch.distributed as dist
 
 from megatron.longseq.collectives import all_reduce_values
 from megatron.longseq.memo import allocator
-from megatron.longseq.memo.allocator import WindowDriver
 from megatron.longseq.memo.alpha import HostMemoryError, block_bytes, check_fixed, solve_alpha
-from megatron.longseq.memo.planner import bilevel_plan, load_plan_summary
+from megatron.longseq.memo.planner import bilevel_plan, load_plan_summary, saved_replay
 from megatron.longseq.memo.profiler import bandwidth, mark_layer_windows, profile_sizes, trace_iteration
 from megatron.longseq.memo.runtime import Memo
 from megatron.longseq.pipeline.seq1f1b import forward_backward_seq1f1b
@@ -77,12 +76,12 @@ def setup_memo(args, pgs, state, forward_step_func, device) -> Memo:
     planned = allocator.INSTALLED
     memo.allocator = planned
     if planned is not None:  # from now on every managed layer's forward and backward is a window
-        memo.window_handles = mark_layer_windows(layers, WindowDriver(planned))
+        memo.window_handles = mark_layer_windows(layers, planned)
     if args.memo_plan:
         summary = load_plan_summary(args.memo_plan)
         print_rank_0(f"MEMO memory plan: reused {args.memo_plan} (peak {summary['peak_bytes'] / 2**20:.2f} MiB)")
         if planned is not None:
-            planned.load({label: tuple(w) for label, w in summary.get("windows", {}).items()})
+            planned.load(saved_replay(summary))
     else:
         trace = _trace(one_iteration, layers, device, planned)
         plan = bilevel_plan(trace, args.memo_planner, time_limit=30.0)
@@ -90,9 +89,9 @@ def setup_memo(args, pgs, state, forward_step_func, device) -> Memo:
             plan.save(args.memo_save_plan)
         print_rank_0(_plan_line(plan.summary()))
         if planned is not None:
-            half = planned.load(plan.windows)
-            print_rank_0(f"MEMO planned allocator: arena 2 x {half / 2**20:.2f} MiB, "
-                         f"{len(plan.windows)} layer windows loaded")
+            size = planned.load(plan.replay)
+            print_rank_0(f"MEMO planned allocator: arena {size / 2**20:.2f} MiB, {len(plan.replay.sizes)} requests "
+                         f"and {len(plan.replay.marks)} window marks an iteration")
     if planned is not None:
         planned.settle()
         planned.reset_peak()

@@ -1,6 +1,7 @@
 """Megatron's pretrain(): set-up, the training loop, evaluation, checkpoints, logging."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -149,14 +150,22 @@ def reduce_reports(reports, pgs, device) -> Dict[str, float]:
     return out
 
 
+def _replaying(memo):
+    """The planned allocator replays its memory plan over the forward and backward passes."""
+    if memo is None or memo.allocator is None:
+        return contextlib.nullcontext()
+    return memo.allocator.iteration()
+
+
 def train_step(forward_step_func, data_iterator, state: TrainState, args, pgs, timers):
     state.optimizer.zero_grad()
     timers("forward-backward", 1).start()
-    reports = forward_backward_seq1f1b(
-        forward_step_func=forward_step_func, data_iterator=data_iterator, model=state.model,
-        num_microbatches=args.num_microbatches, seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size, forward_only=False, p2p_communicator=state.pipeline,
-    )
+    with _replaying(state.memo):
+        reports = forward_backward_seq1f1b(
+            forward_step_func=forward_step_func, data_iterator=data_iterator, model=state.model,
+            num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size, forward_only=False, p2p_communicator=state.pipeline,
+        )
     timers("forward-backward").stop()
     timers("optimizer", 1).start()
     _, grad_norm, num_zeros = state.optimizer.step(count_zeros=args.log_num_zeros_in_grad)
@@ -272,8 +281,8 @@ class _Reporter:
         if memo.allocator is not None:
             a = memo.allocator.stats()
             print_rank_0(f"MEMO planned allocator: {a['planned_allocs']} planned allocations "
-                         f"({a['planned_bytes'] / mib:.1f} MiB) in {a['windows_run']} windows, "
-                         f"{a['diverged_windows']} diverged ({a['overlap_refusals']} overlap refusals); "
+                         f"({a['planned_bytes'] / mib:.1f} MiB), {a['marks_matched']} window marks matched, "
+                         f"{a['divergences']} divergences ({a['overlap_refusals']} overlap refusals); "
                          f"reserved {a['backend_bytes'] / mib:.1f} MiB, allocated {a['allocated_bytes'] / mib:.1f} MiB, "
                          f"cached {a['cached_free_bytes'] / mib:.1f} MiB, retries {a['retries']}")
 

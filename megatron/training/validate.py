@@ -254,8 +254,19 @@ def _memo_args(args):
     _require(not args.sequence_parallel, "--memo does not support --sequence-parallel yet")
     _require(args.memo_host_memory_gb > 0, "--memo-host-memory-gb must be positive")
     _require(args.memo_plan is None or os.path.isfile(args.memo_plan), f"--memo-plan: cannot read {args.memo_plan}")
+    if args.memo_plan:
+        _saved_plan(args.memo_plan)
     _require(args.num_layers // (args.pipeline_model_parallel_size * args.virtual_pipeline_chunks) >= 1,
              "--memo needs layers to manage")
+
+
+def _saved_plan(path: str) -> None:
+    from megatron.longseq.memo.planner import load_plan_summary
+
+    try:
+        load_plan_summary(path)
+    except (ValueError, KeyError, OSError) as err:  # json's decode error is a ValueError
+        raise ArgsError(f"--memo-plan: {err}") from None
 
 
 def _data_args(args):

@@ -1,4 +1,4 @@
-"""The planned allocator (arena.c) from Python: build it, load a plan, drive its windows, read its
+"""The planned allocator (arena.c) from Python: build it, load a plan, replay it each iteration, read its
 counters; on a GPU, install it as torch's allocator and record the job profiler's trace with it.
 
 The C library is compiled on first use with the system C compiler into a per-user cache (keyed by
@@ -8,10 +8,11 @@ CUDAPluggableAllocator, so both see one set of globals.
 What the runtime does with it on a GPU (`--memo-allocator planned`):
   1. install before the first CUDA allocation (every request now goes through arena.c);
   2. record one iteration with the layer windows marked: the trace, windows included;
-  3. plan it (planner.bilevel_plan) and load every window's request sequence with its level-1
-     offsets (MemoryPlan.windows, also in a saved plan); the arena is reserved at twice the
-     largest window's extent (two halves: even and odd layers);
-  4. every layer forward/backward runs as a window.
+  3. plan it (planner.bilevel_plan) and load the composed plan (MemoryPlan.replay, also in a saved
+     plan): every request of the iteration with its arena offset, both levels, and where each
+     window mark falls; the arena is reserved at the plan's peak;
+  4. every training iteration replays it; each layer window's marks put a diverged replay back
+     in step.
 Streams: torch's pluggable allocator drops record_stream, so arena.c keeps streams itself (a freed
 block is reused by its own stream only, and waits for the streams `record_stream` named here);
 NCCL keeps the tensors of a collective alive until its wait() (TORCH_NCCL_AVOID_RECORD_STREAMS=1,
@@ -22,7 +23,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
-import re
+import contextlib
 import subprocess
 import tempfile
 from pathlib import Path
@@ -30,14 +31,14 @@ from typing import Dict, Optional
 
 import torch
 
+from megatron.longseq.memo.planner import Replay
 from megatron.longseq.memo.trace import Trace
 
 SOURCE = Path(__file__).with_name("arena.c")
-STATS = ("planned_allocs", "planned_bytes", "cached_allocs", "cache_hits", "diverged_windows",
+STATS = ("planned_allocs", "planned_bytes", "cached_allocs", "cache_hits", "divergences",
          "overlap_refusals", "retries", "failed_allocs", "backend_bytes", "allocated_bytes",
-         "peak_allocated_bytes", "cached_free_bytes", "pending_bytes", "windows_run", "peak_backend_bytes")
+         "peak_allocated_bytes", "cached_free_bytes", "pending_bytes", "marks_matched", "peak_backend_bytes")
 _I64 = ctypes.c_int64
-_LAYER = re.compile(r"L(\d+)$")
 INSTALLED: Optional["PlannedAllocator"] = None  # the process's CUDA allocator, once installed
 
 
@@ -70,15 +71,16 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.arena_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
     lib.arena_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
     lib.arena_reserve.argtypes = [_I64]
-    lib.arena_set_window.argtypes = [ctypes.c_int, _I64, ctypes.POINTER(_I64), ctypes.POINTER(_I64)]
-    lib.arena_begin.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    lib.arena_set_plan.argtypes = [_I64, ctypes.POINTER(_I64), ctypes.POINTER(_I64), _I64, ctypes.POINTER(_I64),
+                                   ctypes.POINTER(_I64)]
+    lib.arena_iteration.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    lib.arena_mark.argtypes = [ctypes.c_int]
     lib.arena_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     lib.arena_fake_stream_done.argtypes = [ctypes.c_void_p]
-    lib.arena_end.argtypes = [ctypes.c_int]
     lib.arena_stats.argtypes = [ctypes.POINTER(_I64)]
     lib.arena_stat_count.restype = _I64
     lib.arena_base.restype = _I64
-    lib.arena_half_bytes.restype = _I64
+    lib.arena_size.restype = _I64
     lib.arena_record.argtypes = [ctypes.c_int]
     lib.arena_events.restype = _I64
     lib.arena_events.argtypes = [ctypes.POINTER(_I64), _I64]
@@ -88,12 +90,6 @@ def _load(path: Path) -> ctypes.CDLL:
 
 def _array(values):
     return (_I64 * max(len(values), 1))(*values)
-
-
-def layer_half(label: str) -> int:
-    """Even layers use the arena's first half, odd layers the second (rounding halves)."""
-    m = _LAYER.search(label)
-    return int(m.group(1)) % 2 if m else 0
 
 
 class PlannedAllocator:
@@ -119,34 +115,41 @@ class PlannedAllocator:
         torch.cuda.memory.change_current_allocator(pluggable)
 
     # ---- plan ----------------------------------------------------------------------------------
-    def window_id(self, label: str) -> int:
+    def mark_id(self, label: str) -> int:
         if label not in self.ids:
             self.ids[label] = len(self.ids)
             self.labels[self.ids[label]] = label
         return self.ids[label]
 
-    def load(self, windows: Dict[str, tuple]) -> int:
-        """Load every window's requests (MemoryPlan.windows: label -> (sizes, offsets)); reserve
-        the arena, each half as large as the largest window's planned extent. Returns that."""
-        half = max((max((o + s for s, o in zip(*w) if o >= 0), default=0) for w in windows.values()), default=0)
-        half = -(-half // 512) * 512
-        rc = self.lib.arena_reserve(half)
+    def load(self, replay: Replay) -> int:
+        """Reserve the arena at the plan's extent and load its requests and marks. Returns the
+        arena's bytes."""
+        rc = self.lib.arena_reserve(replay.arena_bytes)
         if rc != 0:
-            raise RuntimeError(f"MEMO planned allocator: cannot reserve 2 x {half} bytes (code {rc})")
-        for label, (sizes, offsets) in windows.items():
-            if self.lib.arena_set_window(self.window_id(label), len(sizes), _array(sizes), _array(offsets)) != 0:
-                raise RuntimeError(f"MEMO planned allocator: cannot load window {label}")
-        return half
+            raise RuntimeError(f"MEMO planned allocator: cannot reserve {replay.arena_bytes} bytes (code {rc})")
+        ids = [self.mark_id(label) for label, _ in replay.marks]
+        at = [index for _, index in replay.marks]
+        rc = self.lib.arena_set_plan(len(replay.sizes), _array(replay.sizes), _array(replay.offsets),
+                                     len(ids), _array(ids), _array(at))
+        if rc != 0:
+            raise RuntimeError(f"MEMO planned allocator: cannot load the plan (code {rc})")
+        return replay.arena_bytes
 
-    # ---- windows -------------------------------------------------------------------------------
-    def begin(self, label: str, stream: int = 0) -> None:
-        """Replay window `label` for the requests of `stream` (on a GPU: the current stream)."""
+    # ---- an iteration and its marks --------------------------------------------------------------
+    @contextlib.contextmanager
+    def iteration(self, stream: int = 0):
+        """Replay the plan for the requests of `stream` (on a GPU: the current stream) meanwhile."""
         if self.backend == "cuda":
             stream = torch.cuda.current_stream().cuda_stream
-        self.lib.arena_begin(self.window_id(label), layer_half(label), stream or None)
+        self.lib.arena_iteration(1, stream or None)
+        try:
+            yield
+        finally:
+            self.lib.arena_iteration(0, None)
 
-    def end(self, label: str) -> None:
-        self.lib.arena_end(self.window_id(label))
+    def mark(self, label: str) -> None:
+        """A layer window's mark ("begin fwd L3"): recorded, and a diverged replay resumes here."""
+        self.lib.arena_mark(self.mark_id(label))
 
     def record_stream(self, ptr: int, stream: int) -> None:
         """torch's record_stream for this allocator (torch's pluggable allocator drops the call):
@@ -170,8 +173,8 @@ class PlannedAllocator:
         return self.lib.arena_base()
 
     @property
-    def half_bytes(self) -> int:
-        return self.lib.arena_half_bytes()
+    def arena_bytes(self) -> int:
+        return self.lib.arena_size()
 
     # ---- counters and recording -----------------------------------------------------------------
     def stats(self) -> Dict[str, int]:
@@ -196,7 +199,7 @@ class PlannedAllocator:
         self.lib.arena_record(1 if on else 0)
 
     def recorded_trace(self) -> Trace:
-        """The recorded requests and window marks as a Trace (addresses named by generation)."""
+        """The recorded requests and marks as a Trace (addresses named by generation)."""
         n = self.lib.arena_events(None, 0)
         raw = (_I64 * (3 * max(n, 1)))()
         self.lib.arena_events(raw, n)
@@ -209,8 +212,8 @@ class PlannedAllocator:
                 trace.events.append(("malloc", names[a], b))
             elif kind == 1 and a in names:
                 trace.events.append(("free", names.pop(a), b))
-            elif kind in (2, 3):
-                trace.mark(("begin " if kind == 2 else "end ") + self.labels.get(a, f"window{a}"))
+            elif kind == 2:
+                trace.mark(self.labels[a])
         return trace
 
 
@@ -224,19 +227,3 @@ def install() -> "PlannedAllocator":
         allocator.install()
         INSTALLED = allocator
     return INSTALLED
-
-
-class WindowDriver:
-    """Turns the profiler's layer-window marks ("begin fwd L3", ...) into allocator windows. MEMO's
-    side streams copy only between its rounding buffers and host memory, never from a block this
-    allocator hands out per layer, so a window needs no wait for them."""
-
-    def __init__(self, allocator: PlannedAllocator):
-        self.allocator = allocator
-
-    def mark(self, label: str) -> None:
-        what, window = label.split(" ", 1)
-        if what == "begin":
-            self.allocator.begin(window)
-        else:
-            self.allocator.end(window)

@@ -1,18 +1,21 @@
 /* MEMO's planned allocator (section 4.2, runtime side): a device allocator that replays the
- * planner's offsets for the transient tensors of each layer window and serves everything else
- * from a small caching allocator of its own.
+ * planner's offsets for the requests of a training iteration and serves everything else from a
+ * small caching allocator of its own.
  *
  * Loaded by torch as a CUDAPluggableAllocator (arena_malloc / arena_free), it replaces the caching
  * allocator for the whole process, so it must be safe for every request:
- *   - Inside a window (arena_begin .. arena_end, driven by hooks around each layer's forward and
- *     backward), the k-th request of the window is checked against the plan's k-th entry: same
- *     size and a planned offset -> the arena address; planned as outliving the window -> the
- *     cache. A size that differs, or a planned range that overlaps a block still alive, ends the
- *     replay for the rest of the window (counted) and the cache serves it: a divergence costs
- *     memory, never correctness.
- *   - The arena has two halves, used by even and odd layers (like MEMO's rounding buffers). Only
- *     requests on the window's stream are replayed at the plan's offsets; requests from other
- *     streams keep their place in the sequence and go to the cache.
+ *   - The plan is one iteration's requests in order, each with its address in the arena (the
+ *     bi-level plan composed: a window's base from level 2 plus the in-window offset from level 1;
+ *     a tensor that outlives its window at its level-2 offset) or -1 (served by the cache: it
+ *     outlives the iteration), and the window marks ("begin fwd L3", ...) with the request index at
+ *     which each fell.
+ *   - Inside an iteration (arena_iteration), the k-th request is checked against the plan's k-th
+ *     entry: same size and an arena offset -> that address. A size that differs, or a planned range
+ *     that overlaps a block still alive, stops the replay (counted) and the cache serves what
+ *     follows, up to the next window mark: a mark puts the replay back at the request index the
+ *     plan recorded for it. A divergence costs memory until the next mark, never correctness.
+ *   - Only requests on the iteration's stream are replayed at the plan's offsets; requests from
+ *     other streams keep their place in the sequence and go to the cache.
  *   - Streams, as torch's caching allocator keeps them: a freed block is reused at once by its own
  *     stream (stream order makes that safe) and never by another. A block some other stream used
  *     (arena_record_stream) stays reserved after its free until an event recorded on each of
@@ -20,8 +23,8 @@
  *     reuse of its range (counted as an overlap refusal). When the backend is out of memory, the
  *     allocator synchronizes the device, reclaims every pending and cached block and retries once
  *     (counted as a retry).
- *   - With recording on, every malloc, free and window mark is appended to an event log: on a GPU
- *     this is the job profiler's trace, windows included.
+ *   - With recording on, every malloc, free and mark is appended to an event log: on a GPU this is
+ *     the job profiler's trace, windows included.
  *
  * The backend is libcuda's cuMemAlloc/cuMemFree/cuCtxSynchronize, opened at run time (no CUDA
  * headers needed to build), or the C heap with an optional capacity: the same code, testable on
@@ -53,17 +56,9 @@ typedef struct {
 } Blocks;
 
 typedef struct {
-    int64_t n;
-    int64_t *sizes;   /* requested bytes, in request order */
-    int64_t *offsets; /* offset inside a half, or -1: served by the cache */
-} Window;
-
-typedef struct {
-    int kind; /* 0 malloc, 1 free, 2 begin window, 3 end window */
-    int64_t a, b; /* malloc/free: address, bytes; marks: window id, layer parity */
+    int kind; /* 0 malloc, 1 free, 2 mark */
+    int64_t a, b; /* malloc/free: address, bytes; mark: its id, 0 */
 } Event;
-
-enum { MAX_WINDOWS = 4096 };
 
 /* torch calls the allocator from the main thread and from autograd's device thread: every entry
  * point holds this lock (none calls another entry point). */
@@ -87,14 +82,17 @@ static int (*cu_event_destroy)(void *) = NULL;
 static Blocks cached = {0}, pending = {0}, live_cached = {0}, pending_arena = {0};
 
 static char *arena = NULL;
-static int64_t half_bytes = 0;
-static Window windows[MAX_WINDOWS];
+static int64_t arena_bytes = 0;
 static Blocks live_arena = {0}; /* ptr/size of arena blocks handed out and not yet freed */
 
-static int active = -1;  /* window being replayed, -1: none */
-static int active_half = 0;
-static void *active_stream = NULL; /* the stream whose requests the window replays */
-static int64_t position = 0;
+/* the plan: the iteration's requests (bytes, arena offset or -1) and its marks (id, request index) */
+static int64_t plan_n = 0, *plan_sizes = NULL, *plan_offsets = NULL;
+static int64_t plan_marks = 0, *mark_ids = NULL, *mark_at = NULL;
+
+static int replaying = 0;          /* inside an iteration, with a plan and an arena */
+static void *replay_stream = NULL; /* the stream whose requests the plan replays */
+static int64_t position = 0;       /* the next request's index in the plan */
+static int64_t next_mark = 0;      /* the next mark expected */
 static int diverged = 0;
 
 static int recording = 0;
@@ -103,9 +101,9 @@ static int64_t n_events = 0, events_cap = 0;
 
 /* counters, read by arena_stats in this order */
 enum {
-    S_PLANNED, S_PLANNED_BYTES, S_CACHED_ALLOCS, S_CACHE_HITS, S_DIVERGED_WINDOWS, S_OVERLAPS,
+    S_PLANNED, S_PLANNED_BYTES, S_CACHED_ALLOCS, S_CACHE_HITS, S_DIVERGENCES, S_OVERLAPS,
     S_RETRIES, S_FAILED, S_BACKEND_BYTES, S_ALLOCATED, S_PEAK_ALLOCATED, S_CACHED_FREE, S_PENDING,
-    S_WINDOWS_RUN, S_PEAK_BACKEND_BYTES, S_COUNT
+    S_MARKS_MATCHED, S_PEAK_BACKEND_BYTES, S_COUNT
 };
 static int64_t stats[S_COUNT];
 
@@ -326,21 +324,23 @@ static int overlaps(const Blocks *bs, const char *p, int64_t size) {
     return 0;
 }
 
+static void diverge(void) {
+    if (!diverged) stats[S_DIVERGENCES]++;
+    diverged = 1;
+}
+
 static char *planned_alloc(int64_t size, void *stream) {
-    Window *w = &windows[active];
-    if (diverged || position >= w->n || w->sizes[position] != size) {
-        if (!diverged) stats[S_DIVERGED_WINDOWS]++;
-        diverged = 1;
+    if (diverged || position >= plan_n || plan_sizes[position] != size) {
+        diverge();
         return NULL;
     }
-    int64_t offset = w->offsets[position++];
-    if (offset < 0 || stream != active_stream) return NULL; /* outlives the window, or another stream's */
-    char *p = arena + active_half * half_bytes + offset;
+    int64_t offset = plan_offsets[position++];
+    if (offset < 0 || stream != replay_stream) return NULL; /* outlives the iteration, or another stream's */
+    char *p = arena + offset;
     reclaim_pending();
-    if (offset + size > half_bytes || overlaps(&live_arena, p, size) || overlaps(&pending_arena, p, size)) {
+    if (offset + size > arena_bytes || overlaps(&live_arena, p, size) || overlaps(&pending_arena, p, size)) {
         stats[S_OVERLAPS]++;
-        stats[S_DIVERGED_WINDOWS]++;
-        diverged = 1;
+        diverge();
         return NULL;
     }
     push(&live_arena, (Block){p, size, stream, 0, {0}});
@@ -349,64 +349,89 @@ static char *planned_alloc(int64_t size, void *stream) {
     return p;
 }
 
-static int reserve(int64_t bytes_per_half) {
+static int reserve(int64_t bytes) {
     if (live_arena.n || pending_arena.n) return -1; /* blocks still in use in the old arena */
-    if (arena) backend_free(arena, 2 * half_bytes);
+    if (arena) backend_free(arena, arena_bytes);
     arena = NULL;
-    half_bytes = 0;
-    if (bytes_per_half <= 0) return 0;
-    arena = backend_alloc(2 * bytes_per_half);
+    arena_bytes = 0;
+    if (bytes <= 0) return 0;
+    arena = backend_alloc(bytes);
     if (!arena) return -2;
-    half_bytes = bytes_per_half;
+    arena_bytes = bytes;
     return 0;
 }
 
-int arena_reserve(int64_t bytes_per_half) {
+int arena_reserve(int64_t bytes) {
     LOCK;
-    int rc = reserve(bytes_per_half);
+    int rc = reserve(bytes);
     UNLOCK;
     return rc;
 }
 
-static int set_window(int id, int64_t n, const int64_t *sizes, const int64_t *offsets) {
-    if (id < 0 || id >= MAX_WINDOWS) return -1;
-    Window *w = &windows[id];
-    free(w->sizes);
-    free(w->offsets);
-    w->sizes = malloc((n ? n : 1) * sizeof(int64_t));
-    w->offsets = malloc((n ? n : 1) * sizeof(int64_t));
-    if (!w->sizes || !w->offsets) return -2;
-    memcpy(w->sizes, sizes, n * sizeof(int64_t));
-    memcpy(w->offsets, offsets, n * sizeof(int64_t));
-    w->n = n;
+static int64_t *copy_of(const int64_t *values, int64_t n) {
+    int64_t *out = malloc((n ? n : 1) * sizeof(int64_t));
+    if (out) memcpy(out, values, n * sizeof(int64_t));
+    return out;
+}
+
+static void drop_plan(void) {
+    free(plan_sizes);
+    free(plan_offsets);
+    free(mark_ids);
+    free(mark_at);
+    plan_sizes = plan_offsets = mark_ids = mark_at = NULL;
+    plan_n = plan_marks = 0;
+    replaying = 0;
+}
+
+static int set_plan(int64_t n, const int64_t *sizes, const int64_t *offsets, int64_t m, const int64_t *ids,
+                    const int64_t *at) {
+    drop_plan();
+    plan_sizes = copy_of(sizes, n);
+    plan_offsets = copy_of(offsets, n);
+    mark_ids = copy_of(ids, m);
+    mark_at = copy_of(at, m);
+    if (!plan_sizes || !plan_offsets || !mark_ids || !mark_at) { drop_plan(); return -2; }
+    plan_n = n;
+    plan_marks = m;
     return 0;
 }
 
-int arena_set_window(int id, int64_t n, const int64_t *sizes, const int64_t *offsets) {
+int arena_set_plan(int64_t n, const int64_t *sizes, const int64_t *offsets, int64_t m, const int64_t *ids,
+                   const int64_t *at) {
     LOCK;
-    int rc = set_window(id, n, sizes, offsets);
+    int rc = set_plan(n, sizes, offsets, m, ids, at);
     UNLOCK;
     return rc;
 }
 
-void arena_begin(int id, int half, void *stream) {
+/* An iteration begins (on != 0: its requests on `stream` are replayed from the plan's first) or ends. */
+void arena_iteration(int on, void *stream) {
     LOCK;
-    active = (arena && id >= 0 && id < MAX_WINDOWS && windows[id].sizes) ? id : -1;
-    active_half = half & 1;
-    active_stream = stream;
-    position = 0;
+    replaying = on && arena && plan_n;
+    replay_stream = stream;
+    position = next_mark = 0;
     diverged = 0;
-    if (active >= 0) stats[S_WINDOWS_RUN]++;
-    record(2, id, half);
     UNLOCK;
 }
 
-void arena_end(int id) {
+/* A window mark: the replay goes on from the request index the plan recorded for the next mark
+ * with this id (marks the run skipped are passed over); none left: the replay stops. */
+void arena_mark(int id) {
     LOCK;
-    /* a layer's backward begins (hook on its output's gradient) just before the next layer's
-     * ends (hook on the same tensor, registered later): ending that one leaves the new one on */
-    if (active == id) active = -1;
-    record(3, id, 0);
+    record(2, id, 0);
+    if (replaying) {
+        int64_t j = next_mark;
+        while (j < plan_marks && mark_ids[j] != id) j++;
+        if (j < plan_marks) {
+            position = mark_at[j];
+            next_mark = j + 1;
+            diverged = 0;
+            stats[S_MARKS_MATCHED]++;
+        } else {
+            diverge();
+        }
+    }
     UNLOCK;
 }
 
@@ -414,7 +439,7 @@ void arena_end(int id) {
 void *arena_malloc(ssize_t size, int device, void *stream) {
     (void)device;
     LOCK;
-    char *p = active >= 0 ? planned_alloc(size, stream) : NULL;
+    char *p = replaying ? planned_alloc(size, stream) : NULL;
     if (!p) p = cache_alloc(size, stream);
     if (p) {
         stats[S_ALLOCATED] += size;
@@ -491,7 +516,7 @@ void arena_reset_peak(void) {
 
 int64_t arena_base(void) { return (int64_t)(uintptr_t)arena; }
 
-int64_t arena_half_bytes(void) { return half_bytes; }
+int64_t arena_size(void) { return arena_bytes; }
 
 void arena_record(int on) {
     LOCK;
@@ -522,7 +547,7 @@ void arena_settle(void) {
     UNLOCK;
 }
 
-/* Forget everything: windows, counters, the trace, and every block, also those still handed
+/* Forget everything: the plan, counters, the trace, and every block, also those still handed
  * out (their owners must be gone: for tests and for a process that has finished with the GPU). */
 void arena_reset(void) {
     LOCK;
@@ -532,17 +557,12 @@ void arena_reset(void) {
     live_cached.n = 0;
     release_cached();
     live_arena.n = 0;
-    if (arena) backend_free(arena, 2 * half_bytes);
+    if (arena) backend_free(arena, arena_bytes);
     arena = NULL;
-    half_bytes = 0;
-    for (int i = 0; i < MAX_WINDOWS; i++) {
-        free(windows[i].sizes);
-        free(windows[i].offsets);
-        windows[i] = (Window){0, NULL, NULL};
-    }
+    arena_bytes = 0;
+    drop_plan();
     pending_arena.n = 0;
     n_fake_streams = 0;
-    active = -1;
     recording = 0;
     n_events = 0;
     memset(stats, 0, sizeof(stats));

@@ -4,16 +4,30 @@ Level 1: the transient tensors of one layer's forward window (allocated and free
 its backward window are planned once; every layer whose request sequence (sizes in order) is the
 same reuses that plan, others get their own. Level 2: the whole trace with each window replaced by
 one pseudo block of its level-1 peak, plus every tensor that outlives a window. The composed plan
-(window offset + in-window offset) is checked tensor by tensor against the full trace.
+(window offset + in-window offset) is checked tensor by tensor against the full trace, and is what
+the planned allocator replays (`Replay`).
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Tuple
 
 from megatron.longseq.memo import dsa
+from megatron.longseq.memo.buffers import aligned
 from megatron.longseq.memo.trace import Trace
+
+
+@dataclass
+class Replay:
+    """What the planned allocator replays each iteration: the trace's requests in order with their
+    composed offsets in an arena of `arena_bytes` (-1: a tensor alive at the iteration's end, whose
+    free no plan can foresee, goes to the cache), and each mark with the request index where it fell."""
+
+    sizes: List[int]
+    offsets: List[int]
+    marks: List[Tuple[str, int]]
+    arena_bytes: int
 
 
 @dataclass
@@ -24,8 +38,7 @@ class MemoryPlan:
     level1: Dict[str, dsa.Plan]  # window label -> its own plan (reused plans point to the same)
     level2: dsa.Plan
     reused: Dict[str, str] = field(default_factory=dict)  # window -> window whose plan it reuses
-    # window -> (sizes, offsets) of its requests in order: what the planned allocator replays
-    windows: Dict[str, tuple] = field(default_factory=dict)
+    replay: Replay = field(default_factory=lambda: Replay([], [], [], 0))
 
     def summary(self) -> dict:
         return {
@@ -44,23 +57,25 @@ class MemoryPlan:
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
-            json.dump({"format": "memo-plan-1", **self.summary(), "offsets": self.offsets,
-                       "windows": {k: [list(a), list(b)] for k, (a, b) in self.windows.items()}}, f)
+            json.dump({"format": PLAN_FORMAT, **self.summary(), "offsets": self.offsets,
+                       "replay": asdict(self.replay)}, f)
 
 
-def window_requests(trace: Trace, level1: Dict[str, dsa.Plan]) -> Dict[str, tuple]:
-    """label -> (sizes, offsets) of every request inside the window, in order; the offset is the
-    level-1 plan's for a transient of the window, -1 for a tensor that outlives it."""
-    out = {}
-    for label, (lo, hi) in trace.windows().items():
-        offsets_of = level1[label].offsets if label in level1 else {}
-        sizes, offsets = [], []
-        for kind, tid, size in trace.events[lo + 1 : hi]:
-            if kind == "malloc":
-                sizes.append(size)
-                offsets.append(offsets_of.get(tid, -1))
-        out[label] = (sizes, offsets)
-    return out
+PLAN_FORMAT = "memo-plan-2"
+
+
+def replay_of(trace: Trace, offsets: Dict[str, int]) -> Replay:
+    """The composed plan as the allocator replays it (see Replay)."""
+    outlives = {b.id for b in trace.blocks() if b.end == len(trace.events)}
+    sizes, placed, marks = [], [], []
+    for kind, tid, size in trace.events:
+        if kind == "mark":
+            marks.append((tid, len(sizes)))
+        elif kind == "malloc":
+            sizes.append(size)
+            placed.append(-1 if tid in outlives else offsets[tid])
+    extent = max((o + aligned(s) for s, o in zip(sizes, placed) if o >= 0), default=0)
+    return Replay(sizes, placed, marks, extent)
 
 
 def _window_of(block: dsa.Block, windows: Dict[str, Tuple[int, int]]):
@@ -102,15 +117,20 @@ def bilevel_plan(trace: Trace, solver: str = "gurobi", time_limit: float = 30.0)
             offsets[b.id] = base + level1[label].offsets[b.id]
     dsa.check_plan(blocks, offsets, level2.peak)
     return MemoryPlan(level2.peak, dsa.lower_bound(blocks), offsets, level1, level2, reused,
-                      window_requests(trace, level1))
+                      replay_of(trace, offsets))
 
 
 def load_plan_summary(path: str) -> dict:
-    """A saved plan (MemoryPlan.save): its summary and offsets."""
+    """A saved plan (MemoryPlan.save): its summary, offsets and replay."""
     blob = json.load(open(path))
-    if blob.get("format") != "memo-plan-1":
-        raise ValueError(f"{path} is not a MEMO memory plan")
+    if blob.get("format") != PLAN_FORMAT:
+        raise ValueError(f"{path} is not a MEMO memory plan of this version ({PLAN_FORMAT}): plan again")
     return blob
+
+
+def saved_replay(blob: dict) -> Replay:
+    r = blob["replay"]
+    return Replay(r["sizes"], r["offsets"], [tuple(m) for m in r["marks"]], r["arena_bytes"])
 
 
 def draw(trace: Trace, plan: MemoryPlan, path: str, title: str = "") -> None:

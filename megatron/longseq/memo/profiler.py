@@ -6,7 +6,8 @@ memory: the budget is checked before any is taken) and reads back per layer: the
 input and of the attention output and lse (offloaded whole), of everything else, and the layer's
 forward time (measured separately, without offloading).
 `trace_iteration` runs one micro-batch under the allocation tracer (CPU) or torch's allocator
-history (GPU), with "begin/end fwd Ln" and "begin/end bwd Ln" marks around every layer.
+history (GPU), with "begin/end fwd Ln" and "begin/end bwd Ln" marks around every layer (on GPU
+carried through the history as allocations on a marker stream).
 """
 from __future__ import annotations
 
@@ -103,17 +104,32 @@ def mark_layer_windows(layers, trace: Trace) -> list:
     return handles
 
 
+class CudaMarks:
+    """torch's allocator history cannot carry a mark: each one is recorded as a one-byte allocation
+    on a stream of its own, which `from_cuda_snapshot` turns back into the mark."""
+
+    def __init__(self, device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self.labels: List[str] = []
+
+    def mark(self, label: str) -> None:
+        self.labels.append(label)
+        with torch.cuda.stream(self.stream):
+            torch.empty(1, dtype=torch.uint8, device=self.device)  # allocated and freed: one entry
+
+
 def trace_iteration(run_microbatch: Callable[[], None], layers, device) -> Trace:
     trace = Trace()
-    handles = mark_layer_windows(layers, trace)
+    marks = CudaMarks(device) if device.type == "cuda" else trace
+    handles = mark_layer_windows(layers, marks)
     try:
         if device.type == "cuda":
-            torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+            torch.cuda.memory._record_memory_history(max_entries=1_000_000, clear_history=True)
             run_microbatch()
             torch.cuda.synchronize(device)
-            # The allocator's record cannot carry our marks: on GPU the planner sees the iteration
-            # without layer windows and plans it at level 2 only.
-            trace = from_cuda_snapshot(torch.cuda.memory._snapshot(), device.index or 0)
+            trace = from_cuda_snapshot(torch.cuda.memory._snapshot(), device.index or 0,
+                                       marks.stream.cuda_stream, marks.labels)
             torch.cuda.memory._record_memory_history(enabled=None)
         else:
             with AllocationTracer(trace):
@@ -122,4 +138,3 @@ def trace_iteration(run_microbatch: Callable[[], None], layers, device) -> Trace
         for h in handles:
             h.remove()
     return trace
-

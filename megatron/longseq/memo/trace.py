@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import weakref
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -40,13 +40,19 @@ class Trace:
         return cls([tuple(e) for e in blob["events"]])
 
     def windows(self) -> Dict[str, Tuple[int, int]]:
-        """label -> (position of "begin label", position of "end label")."""
-        begins, out = {}, {}
+        """label -> (position of "begin label", position of "end label"); the k-th repeat of a
+        label (another micro-batch, segment or model chunk) is "label#k"."""
+        begins, out, seen = {}, {}, {}
         for pos, (kind, label, _) in enumerate(self.events):
-            if kind == "mark" and label.startswith("begin "):
-                begins[label[6:]] = pos
-            elif kind == "mark" and label.startswith("end "):
-                out[label[4:]] = (begins.pop(label[4:]), pos)
+            if kind != "mark":
+                continue
+            what, name = label.split(" ", 1)
+            if what == "begin":
+                k = seen[name] = seen.get(name, -1) + 1
+                begins[name] = (pos, f"{name}#{k}" if k else name)
+            elif what == "end" and name in begins:
+                start, key = begins.pop(name)
+                out[key] = (start, pos)
         return out
 
     def blocks(self) -> List[Block]:
@@ -97,15 +103,23 @@ class AllocationTracer(TorchDispatchMode):
             self.trace.events.append(("free", tid, size))
 
 
-def from_cuda_snapshot(snapshot: dict, device: int = 0) -> Trace:
-    """torch.cuda.memory._snapshot() after _record_memory_history(): allocator actions in order."""
+def from_cuda_snapshot(snapshot: dict, device: int = 0, marker_stream: int = -1, labels: Sequence[str] = ()) -> Trace:
+    """torch.cuda.memory._snapshot() after _record_memory_history(): allocator actions in order.
+    The allocations on `marker_stream` are the marks `labels`, in order (profiler.CudaMarks)."""
     trace, ids, generation = Trace(), {}, {}
+    marks = iter(labels)
     for e in snapshot["device_traces"][device]:
         addr, size = e["addr"], e["size"]
-        if e["action"] == "alloc":
+        if e.get("stream") == marker_stream:
+            if e["action"] == "alloc":
+                trace.mark(next(marks))
+        elif e["action"] == "alloc":
             generation[addr] = generation.get(addr, 0) + 1
             ids[addr] = f"{addr:x}.{generation[addr]}"
             trace.events.append(("malloc", ids[addr], size))
         elif e["action"] == "free_requested" and addr in ids:
             trace.events.append(("free", ids.pop(addr), size))
+    missing = len(labels) - sum(kind == "mark" for kind, _, _ in trace.events)
+    if missing:  # the history is a ring: an iteration longer than it loses its first entries
+        raise ValueError(f"the allocator history lost {missing} of {len(labels)} window marks")
     return trace

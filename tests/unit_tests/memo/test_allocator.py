@@ -5,15 +5,15 @@ import ctypes
 
 import pytest
 
-from megatron.longseq.memo.allocator import PlannedAllocator, WindowDriver
-from megatron.longseq.memo.planner import bilevel_plan, window_requests
+from megatron.longseq.memo.allocator import PlannedAllocator
+from megatron.longseq.memo.planner import Replay, bilevel_plan
 from megatron.longseq.memo.trace import Trace
 from tests.unit_tests.memo.test_planner import _real_trace
 
 
 @pytest.fixture(scope="module")
 def traced():
-    trace = _real_trace(0.5)
+    trace = _real_trace(0.5, microbatches=2)  # every layer window runs twice
     return trace, bilevel_plan(trace, "cpsat", time_limit=10)
 
 
@@ -21,14 +21,14 @@ class Replayer:
     """Replays a trace's mallocs, frees and marks against the allocator, tagging memory."""
 
     def __init__(self, alloc: PlannedAllocator):
-        self.alloc, self.driver = alloc, WindowDriver(alloc)
+        self.alloc = alloc
         self.live = {}  # trace id -> (address, size, tag)
         self.addresses = {}
 
     def run(self, trace: Trace, keep=()):
         for kind, tid, size in trace.events:
             if kind == "mark":
-                self.driver.mark(tid)
+                self.alloc.mark(tid)
             elif kind == "malloc":
                 ptr = self.alloc.malloc(size)
                 assert ptr, f"{tid}: allocation failed"
@@ -42,68 +42,86 @@ class Replayer:
                 assert ctypes.string_at(ptr, size) == bytes([tag]) * size, f"{tid}: overwritten while alive"
                 self.alloc.free(ptr, size)
 
+    def iteration(self, trace: Trace, keep=()):
+        with self.alloc.iteration():
+            self.run(trace, keep)
+
     def _check_disjoint(self, ptr, size):
         for other, (p, s, _) in self.live.items():
             assert ptr + size <= p or p + s <= ptr, f"overlaps live {other}"
 
 
-def test_windows_replay_the_planned_offsets(traced):
+def _placed(trace):
+    """The tensors the plan places: all but those alive at the trace's end."""
+    return {b.id: b for b in trace.blocks() if b.end < len(trace.events)}
+
+
+def test_every_iteration_replays_both_plan_levels(traced):
     trace, plan = traced
     alloc = PlannedAllocator("heap")
-    half = alloc.load(plan.windows)
-    assert half >= max(p.peak for p in plan.level1.values())
-    replay = Replayer(alloc)
-    replay.run(trace)
-    stats = alloc.stats()
-    # Only the last occurrence of a label is a window of the plan; the trace has one micro-batch,
-    # so every window runs once and every transient in it lands at its planned offset.
-    requests = window_requests(trace, plan.level1)
-    assert requests == plan.windows
-    planned = {tid for label in requests for tid in plan.level1[label].offsets}
-    assert stats["planned_allocs"] == len(planned) > 0
-    assert stats["diverged_windows"] == 0 and stats["overlap_refusals"] == 0
+    assert alloc.load(plan.replay) == alloc.arena_bytes == plan.replay.arena_bytes <= plan.peak
+    placed = _placed(trace)
     windows = trace.windows()
-    for label, level1 in plan.level1.items():
-        half_index = int(label.rsplit("L", 1)[1]) % 2
-        for tid, offset in level1.offsets.items():
-            assert replay.addresses[tid] == alloc.base + half_index * alloc.half_bytes + offset, (label, tid)
-    assert len(windows) == stats["windows_run"]
-    assert stats["allocated_bytes"] == sum(s for _, s, _ in replay.live.values())
+    assert plan.reused["fwd L1#1"] == "fwd L1"  # the second micro-batch's windows reuse level 1
+    transient = {tid for lo, hi in windows.values() for kind, tid, _ in trace.events[lo:hi] if kind == "malloc"}
+    # level 1 places the window transients, level 2 the windows and what outlives them
+    assert placed.keys() & transient and placed.keys() - transient
+    kept = sum(b.size for b in trace.blocks() if b.id not in placed)  # alive at the end: from the cache
+    marks = sum(kind == "mark" for kind, _, _ in trace.events)
+    replay = Replayer(alloc)
+    for n in (1, 2):  # the second iteration lands where the first did
+        replay.iteration(trace)
+        stats = alloc.stats()
+        assert stats["divergences"] == 0 and stats["overlap_refusals"] == 0
+        for tid in placed:
+            assert replay.addresses[tid] == alloc.base + plan.offsets[tid], tid
+        assert stats["planned_allocs"] == n * len(placed) and stats["marks_matched"] == n * marks
+        assert stats["allocated_bytes"] == n * kept
 
 
-def test_a_diverging_window_falls_back_to_the_cache(traced):
+def test_a_diverging_request_goes_to_the_cache_until_the_next_mark(traced):
     trace, plan = traced
     alloc = PlannedAllocator("heap")
-    alloc.load(plan.windows)
+    alloc.load(plan.replay)
     lo, hi = trace.windows()["fwd L1"]
     events = list(trace.events)
     first = next(i for i in range(lo, hi) if events[i][0] == "malloc")
     kind, tid, size = events[first]
-    events[first] = (kind, tid, size + 8)  # one request of another size: the rest of the window
-    Replayer(alloc).run(Trace(events))  # no overlap, no corruption (checked while replaying)
+    events[first] = (kind, tid, size + 8)  # one request of another size
+    resync = next(i for i in range(first, len(events)) if events[i][0] == "mark")
+    placed = _placed(trace)
+    lost = {t for k, t, _ in events[first:resync] if k == "malloc" and t in placed}
+    Replayer(alloc).iteration(Trace(events))  # no overlap, no corruption (checked while replaying)
     stats = alloc.stats()
-    assert stats["diverged_windows"] == 1 and stats["overlap_refusals"] == 0
-    windowed = sum(len(p.offsets) for p in plan.level1.values())
-    assert stats["planned_allocs"] == windowed - len(plan.level1["fwd L1"].offsets)
+    assert stats["divergences"] == 1 and stats["overlap_refusals"] == 0
+    assert stats["planned_allocs"] == len(placed) - len(lost)
 
 
 def test_a_tensor_that_outlives_its_plan_is_never_overwritten(traced):
-    """A transient kept past its planned free (a lifetime the trace did not show): the planned
-    block that would reuse its bytes is refused and served by the cache."""
+    """A tensor kept past its planned free (a lifetime the trace did not show): the planned block
+    that would reuse its bytes is refused and served by the cache."""
     trace, plan = traced
     alloc = PlannedAllocator("heap")
-    alloc.load(plan.windows)
-    level1 = plan.level1["bwd L2"]
-    lo, hi = trace.windows()["bwd L2"]
-    frees = [tid for kind, tid, _ in trace.events[lo:hi] if kind == "free" and tid in level1.offsets]
-    # the first transient freed inside the window whose bytes a later transient reuses
-    blocks = {b.id: b for b in trace.blocks()}
-    victim = next(t for t in frees if any(
-        o != t and blocks[o].start > blocks[t].end and level1.offsets[o] < level1.offsets[t] + blocks[t].size
-        and level1.offsets[t] < level1.offsets[o] + blocks[o].size for o in level1.offsets))
-    Replayer(alloc).run(trace, keep={victim})
+    alloc.load(plan.replay)
+    placed = _placed(trace)
+
+    def reuses(o, t):  # o comes after t's free, in t's bytes
+        return (o != t and placed[o].start > placed[t].end and plan.offsets[o] < plan.offsets[t] + placed[t].size
+                and plan.offsets[t] < plan.offsets[o] + placed[o].size)
+
+    victim = next(t for t in placed if any(reuses(o, t) for o in placed))
+    Replayer(alloc).iteration(trace, keep={victim})
     stats = alloc.stats()
-    assert stats["overlap_refusals"] >= 1 and stats["diverged_windows"] >= 1
+    assert stats["overlap_refusals"] >= 1 and stats["divergences"] >= 1
+
+
+def test_outside_an_iteration_nothing_is_replayed(traced):
+    trace, plan = traced
+    alloc = PlannedAllocator("heap")
+    alloc.load(plan.replay)
+    Replayer(alloc).run(trace)  # evaluation, the optimizer step: marks come, the plan is not used
+    stats = alloc.stats()
+    assert stats["planned_allocs"] == 0 and stats["marks_matched"] == 0
 
 
 S, T = 0x51, 0x7E  # two streams (any handles on the heap backend)
@@ -139,13 +157,11 @@ def test_a_block_another_stream_used_waits_for_that_stream():
 
 def test_a_planned_range_another_stream_used_is_not_replayed_until_it_passed():
     alloc = PlannedAllocator("heap")
-    alloc.load({"fwd L2": ((4096,), (0,))})
+    alloc.load(Replay([4096], [0], [("begin fwd L2", 0)], 4096))
 
     def window():
-        alloc.begin("fwd L2", S)
-        p = alloc.malloc(4096, S)
-        alloc.end("fwd L2")
-        return p
+        with alloc.iteration(S):
+            return alloc.malloc(4096, S)
 
     p = window()
     assert p == alloc.base
@@ -156,8 +172,8 @@ def test_a_planned_range_another_stream_used_is_not_replayed_until_it_passed():
     alloc.free(q, 4096, S)
     alloc.fake_stream_done(T)
     assert window() == alloc.base
-    alloc.begin("fwd L2", S)
-    assert alloc.malloc(4096, T) != alloc.base  # another stream's request keeps its place, not the plan's
+    with alloc.iteration(S):
+        assert alloc.malloc(4096, T) != alloc.base  # another stream's request keeps its place, not the plan's
 
 
 def test_recorded_trace_is_a_plannable_trace(traced):

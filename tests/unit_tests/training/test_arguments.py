@@ -148,6 +148,15 @@ def test_unreadable_data_path(tmp_path):
         assert "cannot read" in error_of(f"--data-path {tmp_path}/corpus", base=base)
 
 
+def test_a_saved_plan_of_another_format_is_refused(tmp_path):
+    old = tmp_path / "plan.json"
+    old.write_text('{"format": "memo-plan-1", "windows": {}}')
+    message = error_of(f"--memo --hidden-dropout 0 --memo-plan {old}")
+    assert message == f"--memo-plan: {old} is not a MEMO memory plan of this version (memo-plan-2): plan again"
+    old.write_text("{")
+    assert error_of(f"--memo --hidden-dropout 0 --memo-plan {old}").startswith("--memo-plan: Expecting")
+
+
 def test_tokenizer_files_must_be_local(tmp_path):
     base = BASE[:-4]  # drop the tokenizer flags
     message = error_of(f"--tokenizer-type GPT2BPETokenizer --vocab-file {tmp_path}/v.json", base=base)
