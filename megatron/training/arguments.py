@@ -7,7 +7,8 @@ Deliberate deviations from Megatron's defaults are listed in README.md ("Flags")
 from __future__ import annotations
 
 import argparse
-from typing import List, Optional
+import sys
+from typing import List, Optional, Tuple
 
 
 class ArgsError(ValueError):
@@ -19,29 +20,94 @@ class _Parser(argparse.ArgumentParser):
         raise ArgsError(message)
 
 
-# Megatron flags that are deliberately not implemented, with the reason the user sees.
+# Megatron flags this trainer does not implement (yet), with the reason the user sees.
+_DIST_CKPT = "needs --ckpt-format torch_dist, which is not implemented yet (--ckpt-format torch is)"
 UNSUPPORTED = {
     "--fp16": "fp16 with loss scaling is not implemented; use --bf16",
-    "--fp8-format": "FP8 training is not implemented",
-    "--num-experts": "mixture-of-experts models are not implemented",
     "--use-legacy-models": "only megatron-core models are supported",
-    "--use-torch-fsdp2": "FSDP is not implemented; use --use-distributed-optimizer",
     "--tp-comm-overlap": "TP communication overlap needs Transformer Engine userbuffers; not implemented",
-    "--train-samples": "sample-based training is not implemented; use --train-iters",
+    "--tp-comm-overlap-cfg": "TP communication overlap needs Transformer Engine userbuffers; not implemented",
     "--overlap-param-gather": "param all-gather overlap is not implemented (--overlap-grad-reduce is)",
+    "--overlap-param-gather-with-optimizer-step": "param all-gather overlap is not implemented",
+    "--async-save": _DIST_CKPT,
+    "--use-persistent-ckpt-worker": _DIST_CKPT,
+    "--async-strategy": _DIST_CKPT,
+    "--async-ckpt-use-cpu-shm": _DIST_CKPT,
+    "--dist-ckpt-strictness": _DIST_CKPT,
+    "--dist-ckpt-optim-fully-reshardable": _DIST_CKPT,
+    "--ckpt-fully-parallel-load": _DIST_CKPT,
+    "--ckpt-fully-parallel-save": _DIST_CKPT,
+    "--no-ckpt-fully-parallel-save": _DIST_CKPT,
+    "--ckpt-assume-constant-structure": _DIST_CKPT,
+    "--auto-detect-ckpt-format": _DIST_CKPT,
+    "--use-tp-pp-dp-mapping": "the tp-pp-dp rank order is not implemented (ranks are ordered tp, cp, dp, pp)",
+    "--decoupled-lr": "a separate learning rate for the embedding and output layer is not implemented",
+    "--decoupled-min-lr": "a separate learning rate for the embedding and output layer is not implemented",
+    "--qk-layernorm": "query/key layernorm is not implemented",
+    "--apply-wd-to-qk-layernorm": "query/key layernorm is not implemented",
+    "--apply-layernorm-1p": "zero-centred layernorm (1 + gamma) is not implemented",
+    "--rotary-interleaved": "interleaved rotary embedding is not implemented",
+    "--squared-relu": "the squared-ReLU activation is not implemented",
+    "--decoder-first-pipeline-num-layers": "uneven pipeline stages are not implemented",
+    "--decoder-last-pipeline-num-layers": "uneven pipeline stages are not implemented",
+    "--account-for-embedding-in-pipeline-split": "uneven pipeline stages are not implemented",
+    "--account-for-loss-in-pipeline-split": "uneven pipeline stages are not implemented",
+    "--num-virtual-stages-per-pipeline-rank": "use --num-layers-per-virtual-pipeline-stage",
+    "--microbatch-group-size-per-virtual-pipeline-stage": "the interleaved schedule groups micro-batches by "
+                                                          "the pipeline size only",
+    "--overlap-p2p-communication-warmup-flush": "pipeline p2p overlap is not implemented",
+    "--step-batch-size-schedule": "batch-size ramp-up is not implemented",
+    "--eval-global-batch-size": "evaluation uses the training global batch size",
+    "--save-retain-interval": "checkpoint retention is not implemented: every save is kept",
+    "--num-distributed-optimizer-instances": "one distributed-optimizer instance only",
+    "--ddp-average-in-collective": "gradients are averaged after the reduction, not inside it",
+    "--wgrad-deferral-limit": "weight-gradient deferral is not implemented",
+    "--defer-embedding-wgrad-compute": "weight-gradient deferral is not implemented",
+    "--disable-gloo-process-groups": "gloo process groups are this trainer's CPU backend and cannot be turned off",
+    "--check-weight-hash-across-dp-replicas-interval": "the weight-hash check is not implemented",
+    "--verify-integrity": "not implemented",
+    "--error-injection-rate": "Megatron's rerun state machine is not implemented",
+    "--error-injection-type": "Megatron's rerun state machine is not implemented",
+    "--test-mode": "not implemented",
+    "--finetune": "not implemented yet",
 }
 
-# Flags a Megatron launch script passes that change nothing here (fusions we do not have, or
-# behaviour that is always on). Accepted so existing scripts run unchanged.
-NO_OP = (
-    "--use-mcore-models",
-    "--no-rope-fusion",  # RoPE is ours (core attention, from position ids), never megatron-core's fused one
-    "--no-persist-layer-norm",  # the norms are ours, not apex's persistent LayerNorm
-    "--no-async-tensor-model-parallel-allreduce",
-    "--accumulate-allreduce-grads-in-fp32",  # always on with --bf16
-    "--use-cpu-initialization",  # always on: identical weights for every tp size
-    "--attention-softmax-in-fp32",  # always: every kernel keeps the softmax in fp32
-)
+# Flag families outside this project's scope (a GPT trainer for long sequences), by name or
+# prefix (ending in "-"), with the reason the user sees.
+_MOE = "mixture-of-experts models are outside this project's scope"
+_MLA = "multi-latent attention is outside this project's scope"
+_FSDP = "FSDP is not implemented; use --use-distributed-optimizer"
+OUT_OF_SCOPE = {
+    "--num-experts": _MOE, "--moe-": _MOE, "--expert-": _MOE,
+    "--linear-": "linear attention (hybrid models) is outside this project's scope",
+    "--experimental-attention-variant": "attention variants other than softmax attention are outside this "
+                                        "project's scope",
+    "--attention-output-gate": "gated attention is outside this project's scope",
+    "--dsa-indexer-": "sparse-attention indexers are outside this project's scope",
+    "--multi-latent-attention": _MLA, "--q-lora-rank": _MLA, "--kv-lora-rank": _MLA, "--qk-head-dim": _MLA,
+    "--qk-pos-emb-head-dim": _MLA, "--v-head-dim": _MLA,
+    "--fp8-": "FP8 training is not implemented", "--fp8-format": "FP8 training is not implemented",
+    "--use-torch-fsdp2": _FSDP, "--use-megatron-fsdp": _FSDP, "--megatron-fsdp-": _FSDP,
+    "--data-parallel-sharding-strategy": _FSDP,
+    "--wandb-": "Weights & Biases logging is not implemented; use --tensorboard-dir",
+    "--fim-": "fill-in-the-middle data is not implemented",
+    "--use-mup": "muP is not implemented", "--mup-": "muP is not implemented",
+    "--export-": "model export is not implemented",
+}
+
+# Flags a Megatron launch script passes that change nothing here, with the reason (shown by --help).
+NO_OP = {
+    "--use-mcore-models": "megatron-core models are the only ones",
+    "--no-rope-fusion": "RoPE is ours (core attention, from position ids), never megatron-core's fused one",
+    "--no-persist-layer-norm": "the norms are ours, not apex's persistent LayerNorm",
+    "--no-async-tensor-model-parallel-allreduce": "megatron-core 0.16 has no such switch",
+    "--accumulate-allreduce-grads-in-fp32": "always on with --bf16",
+    "--use-cpu-initialization": "always on: identical weights for every tp size",
+    "--attention-softmax-in-fp32": "always: every kernel keeps the softmax in fp32",
+    "--apply-query-key-layer-scaling": "it divides the scores by the layer number and multiplies them back "
+                                       "inside the softmax, which changes nothing mathematically; it keeps "
+                                       "fp16 scores in range, and every kernel here scales them in fp32",
+}
 
 
 def _model(p):
@@ -109,7 +175,8 @@ def _data(p):
     g.add_argument("--data-path", nargs="*", default=None)
     g.add_argument("--split", type=str, default=None)
     g.add_argument("--data-cache-path", type=str, default=None)
-    g.add_argument("--tokenizer-type", choices=["NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer"])
+    g.add_argument("--tokenizer-type", choices=["NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer"],
+                   default="GPT2BPETokenizer")
     g.add_argument("--tokenizer-model", type=str)
     g.add_argument("--vocab-file", type=str)
     g.add_argument("--merge-file", type=str)
@@ -118,6 +185,13 @@ def _data(p):
     g.add_argument("--eod-mask-loss", action="store_true")
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
+    g.add_argument("--no-mmap-bin-files", action="store_false", dest="mmap_bin_files",
+                   help="read the .bin files with plain reads instead of memory-mapping them")
+    g.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
+                   dest="create_attention_mask_in_dataloader",
+                   help="the dataloader builds an attention mask only for --reset-attention-mask (causal "
+                        "attention needs none), so this flag changes nothing unless that is given, where "
+                        "it is refused")
 
 
 def _training(p):
@@ -125,6 +199,8 @@ def _training(p):
     g.add_argument("--micro-batch-size", type=int)
     g.add_argument("--global-batch-size", type=int)
     g.add_argument("--train-iters", type=int)
+    g.add_argument("--train-samples", type=int,
+                   help="train for this many samples instead of --train-iters (iterations = samples / global batch)")
     g.add_argument("--optimizer", choices=["adam"], default="adam")
     g.add_argument("--lr", type=float)
     g.add_argument("--min-lr", type=float, default=0.0)
@@ -133,6 +209,8 @@ def _training(p):
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-warmup-fraction", type=float)
     g.add_argument("--lr-warmup-init", type=float, default=0.0)
+    g.add_argument("--lr-decay-samples", type=int, help="with --train-samples: decay over this many samples")
+    g.add_argument("--lr-warmup-samples", type=int, default=0, help="with --train-samples: warm up over this many samples")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--adam-beta1", type=float, default=0.9)
@@ -171,6 +249,16 @@ def _training(p):
                         "unfused/local: the fp32 reference. The log names the kernel that ran.")
     g.add_argument("--deterministic-mode", action="store_true")
     g.add_argument("--exit-interval", type=int)
+    g.add_argument("--manual-gc", action="store_true",
+                   help="turn Python's automatic garbage collector off, so that no rank pauses at its own moment; "
+                        "collect at the start, every --manual-gc-interval iterations and around evaluations")
+    g.add_argument("--manual-gc-interval", type=int, default=0, help="with --manual-gc: iterations between "
+                                                                      "collections (0: none during training)")
+    g.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval",
+                   help="with --manual-gc: no collection around evaluations")
+    g.add_argument("--rerun-mode", choices=["disabled", "validate_results", "report_stats"], default="disabled",
+                   help="only disabled: Megatron's rerun state machine (re-running an iteration to tell a "
+                        "transient fault from a reproducible one) is not implemented; a NaN loss stops the run")
 
 
 def _checkpoint_and_logging(p):
@@ -183,9 +271,18 @@ def _checkpoint_and_logging(p):
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--ckpt-format", choices=["torch", "torch_dist"], default="torch")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
+                   action="store_true", dest="use_checkpoint_opt_param_scheduler",
+                   help="on load, take the LR/WD schedule's settings from the checkpoint (default: they must "
+                        "equal this run's)")
+    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true",
+                   dest="override_opt_param_scheduler",
+                   help="on load, take the LR/WD schedule's settings from this run's flags, whatever the "
+                        "checkpoint says")
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)
-    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-interval", type=int, default=None,
+                   help="iterations between evaluations (default: evaluate at the end only)")
     g.add_argument("--eval-iters", type=int, default=100)
     g.add_argument("--tensorboard-dir", type=str)
     g.add_argument("--tensorboard-log-interval", type=int, default=1)
@@ -223,8 +320,10 @@ def _fusions(p):
 
 def _compat(p):
     g = p.add_argument_group("compatibility (accepted, no effect here)")
-    for flag in NO_OP:
-        g.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+    for flag, reason in NO_OP.items():
+        g.add_argument(flag, action="store_true", help=f"no effect: {reason}")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="no effect: the models here are dense, there are no experts to split")
     g = p.add_argument_group("known Megatron flags that are rejected")
     for flag in UNSUPPORTED:
         g.add_argument(flag, nargs="*", default=None, help=argparse.SUPPRESS, dest=_unsupported_dest(flag))
@@ -235,7 +334,8 @@ def _unsupported_dest(flag: str) -> str:
 
 
 def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
-    parser = _Parser(prog="pretrain_gpt.py", description="Megatron-LongSeq GPT pretraining", allow_abbrev=False)
+    parser = _Parser(prog="pretrain_gpt.py", description="Megatron-LongSeq GPT pretraining", allow_abbrev=False,
+                     exit_on_error=False)
     for add in (_model, _parallel, _data, _training, _fusions, _checkpoint_and_logging, _compat):
         add(parser)
     if extra_args_provider is not None:
@@ -243,10 +343,62 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     return parser
 
 
+def parse(argv: Optional[List[str]] = None, extra_args_provider=None) -> Tuple[argparse.Namespace, List[str]]:
+    """Parse, collecting every bad flag instead of stopping at the first: a bad value is reported
+    and its flag left at the default (so validation still sees a whole namespace), unknown and
+    rejected flags are reported with their reason. Returns (args, errors)."""
+    parser = build_parser(extra_args_provider)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    errors: List[str] = []
+    for _ in range(len(argv) + 1):
+        try:
+            args, unknown = parser.parse_known_args(argv)
+            break
+        except argparse.ArgumentError as err:  # a bad value: report it, parse again without the flag
+            errors.append(str(err).replace("argument ", "", 1))
+            argv = _without(argv, err.argument_name)
+    else:  # every pass failed: nothing left to parse a namespace from
+        raise ArgsError("; ".join(errors))
+    errors += [f"{flag}: {reason}" for flag, reason in UNSUPPORTED.items()
+               if getattr(args, _unsupported_dest(flag)) is not None]
+    return args, errors + _unknown(unknown)
+
+
 def parse_args(argv: Optional[List[str]] = None, extra_args_provider=None) -> argparse.Namespace:
-    """Parse and reject unsupported flags. Raises ArgsError (one line)."""
-    args = build_parser(extra_args_provider).parse_args(argv)
-    for flag, reason in UNSUPPORTED.items():
-        if getattr(args, _unsupported_dest(flag)) is not None:
-            raise ArgsError(f"{flag}: {reason}")
+    """Parse; every bad flag at once as one ArgsError line."""
+    args, errors = parse(argv, extra_args_provider)
+    if errors:
+        raise ArgsError("; ".join(errors))
     return args
+
+
+def _without(argv: List[str], names: Optional[str]) -> List[str]:
+    """argv less the flag(s) `names` ("--a/--b", as argparse names them) and the values after them."""
+    drop, out, skipping = set((names or "").split("/")), [], False
+    for token in argv:
+        if token.startswith("--"):
+            skipping = token.split("=", 1)[0] in drop
+        if not skipping:
+            out.append(token)
+    return out
+
+
+def _unknown(tokens: List[str]) -> List[str]:
+    """Unknown flags: out-of-scope families with their reason, the rest (with their values) as
+    argparse names them."""
+    errors, stray, rejected = [], [], False
+    for token in tokens:
+        if token.startswith("--"):
+            flag = token.split("=", 1)[0]
+            reason = _out_of_scope(flag)
+            rejected = reason is not None
+            if rejected:
+                errors.append(f"{flag}: {reason}")
+        if not rejected:  # a flag we do not know, or a value after one
+            stray.append(token)
+    return errors + ([f"unrecognized arguments: {' '.join(stray)}"] if stray else [])
+
+
+def _out_of_scope(flag: str) -> Optional[str]:
+    return next((reason for prefix, reason in OUT_OF_SCOPE.items()
+                 if flag == prefix or (prefix.endswith("-") and flag.startswith(prefix))), None)

@@ -162,7 +162,7 @@ def load_checkpoint(args, state, pgs) -> bool:
         if opt is None:
             raise ValueError(f"{rank_dir} holds no optimizer state; load with --no-load-optim")
         state.optimizer.load_state_dict(opt)
-    state.scheduler.load_state_dict(obj["opt_param_scheduler"])
+    _load_schedule(state.scheduler, obj["opt_param_scheduler"])
     if not args.no_load_rng and "rng_state" in obj:
         load_rng_state_dict(obj["rng_state"])
     state.iteration = obj["iteration"]
@@ -170,6 +170,16 @@ def load_checkpoint(args, state, pgs) -> bool:
     state.consumed_valid_samples = obj["consumed_valid_samples"]
     state.flops_so_far = obj["num_floating_point_operations_so_far"]
     return True
+
+
+def _load_schedule(scheduler, saved: dict) -> None:
+    """megatron-core asserts that the checkpoint's schedule settings equal this run's unless told
+    which to take; a mismatch is one line that says how to choose."""
+    try:
+        scheduler.load_state_dict(saved)
+    except AssertionError as err:
+        raise ValueError(f"{err}: pass --use-checkpoint-opt_param-scheduler (the checkpoint's) or "
+                         "--override-opt_param-scheduler (this run's)") from None
 
 
 def _check_args(saved: dict, args) -> None:

@@ -19,7 +19,8 @@ from megatron.training.passkey import build_passkey_datasets
 
 def train_valid_test_num_samples(args):
     """Megatron's sizes: train iterations, every evaluation (+1 at the end), one test pass."""
-    evals = (args.train_iters // args.eval_interval + 1) * args.eval_iters if args.eval_iters > 0 else 0
+    periodic = args.train_iters // args.eval_interval if args.eval_interval else 0
+    evals = (periodic + 1) * args.eval_iters if args.eval_iters > 0 else 0
     return [args.train_iters * args.global_batch_size, evals * args.global_batch_size,
             args.eval_iters * args.global_batch_size]
 
@@ -33,6 +34,7 @@ def build_datasets(args, tokenizer, num_samples):
         blend=get_blend_from_list(args.data_path) if args.data_path else None,
         split=args.split,
         path_to_cache=args.data_cache_path,
+        mmap_bin_files=args.mmap_bin_files,
         tokenizer=tokenizer,
         reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
 import os
@@ -22,7 +23,7 @@ from megatron.longseq.attention.kernels import KernelEnv, choose_kernel
 from megatron.longseq.attention.ledger import LEDGER
 from megatron.longseq.pipeline.p2p import connect_links
 from megatron.longseq.pipeline.seq1f1b import Pipeline, forward_backward_seq1f1b
-from megatron.training.arguments import ArgsError, parse_args
+from megatron.training.arguments import ArgsError, parse
 from megatron.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron.training.data import build_loader, train_valid_test_num_samples
 from megatron.training.distributed import GradBuffer
@@ -53,7 +54,9 @@ class TrainState:
 
 
 def parse_and_validate(argv=None, extra_args_provider=None):
-    return validate_args(parse_args(argv, extra_args_provider), world_size_from_env())
+    """Every bad flag of the command line, from parsing and from validation, in one ArgsError line."""
+    args, errors = parse(argv, extra_args_provider)
+    return validate_args(args, world_size_from_env(), errors)
 
 
 def run_main(main) -> None:
@@ -76,16 +79,14 @@ def _print_args(args) -> None:
 
 
 def build_scheduler(args, optimizer) -> OptimizerParamScheduler:
-    """Megatron counts schedule steps in samples: iterations x global batch size."""
-    decay_steps = args.lr_decay_iters * args.global_batch_size
-    warmup_steps = (args.lr_warmup_fraction * decay_steps if args.lr_warmup_fraction is not None
-                    else args.lr_warmup_iters * args.global_batch_size)
+    """Megatron counts schedule steps in samples (validate.py derives them from either spelling)."""
     return OptimizerParamScheduler(
         optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=warmup_steps, lr_decay_steps=decay_steps, lr_decay_style=args.lr_decay_style,
+        lr_warmup_steps=args.lr_warmup_steps, lr_decay_steps=args.lr_decay_steps, lr_decay_style=args.lr_decay_style,
         start_wd=args.weight_decay, end_wd=args.weight_decay,
         wd_incr_steps=args.train_iters * args.global_batch_size, wd_incr_style="constant",
-        use_checkpoint_opt_param_scheduler=True, override_opt_param_scheduler=False,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
     )
 
 
@@ -201,7 +202,11 @@ def evaluate(forward_step_func, data_iterator, state: TrainState, args, pgs, num
 
 
 def evaluate_and_print(name, forward_step_func, data_iterator, state, args, pgs, tb, count_samples):
+    if args.manual_gc and args.manual_gc_eval:
+        gc.collect()  # what training left, before evaluation allocates
     losses = evaluate(forward_step_func, data_iterator, state, args, pgs, args.eval_iters)
+    if args.manual_gc and args.manual_gc_eval:
+        gc.collect(generation=0)  # what evaluation made
     if count_samples:
         state.consumed_valid_samples += args.eval_iters * args.global_batch_size
     line = f" {name} loss at {'iteration ' + str(state.iteration) if count_samples else 'the end of training'} |"
@@ -321,8 +326,17 @@ def pipeline_memory_line(pipeline: Pipeline, pgs) -> str:
     return "peak saved activations per pipeline stage (MB): " + " ".join(f"{p[0] / 2**20:.1f}" for p in peaks)
 
 
+def _collect_garbage(args, iteration: int) -> None:
+    """--manual-gc: the automatic collector is off; collect every --manual-gc-interval iterations."""
+    if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
+        gc.collect()
+
+
 def train(forward_step_func, train_iter, valid_iter, state: TrainState, args, pgs, timers, tb) -> bool:
     """The loop. Returns True when --exit-interval stopped it."""
+    if args.manual_gc:  # every rank collects at the same iterations, not when its own counts say
+        gc.disable()
+        gc.collect()
     reporter = _Reporter(args, pgs, timers, tb)
     _train_mode(state.model, True)
     while state.iteration < args.train_iters:
@@ -335,7 +349,8 @@ def train(forward_step_func, train_iter, valid_iter, state: TrainState, args, pg
         state.consumed_train_samples += args.global_batch_size
         state.flops_so_far += reporter.flops_per_iter
         reporter.iteration(state, losses, grad_norm, num_zeros)
-        if valid_iter is not None and args.eval_iters > 0 and state.iteration % args.eval_interval == 0:
+        _collect_garbage(args, state.iteration)
+        if valid_iter is not None and args.eval_iters > 0 and args.eval_interval and state.iteration % args.eval_interval == 0:
             evaluate_and_print("validation", forward_step_func, valid_iter, state, args, pgs, tb, True)
         saved = False
         if args.save and args.save_interval and state.iteration % args.save_interval == 0:

@@ -6,6 +6,8 @@ import argparse
 import importlib.util
 import math
 import os
+from functools import partial
+from typing import Sequence
 
 import torch
 
@@ -14,8 +16,7 @@ from megatron.longseq.parallel_state import GridError, RankGrid
 from megatron.longseq.pipeline import partition, plan
 from megatron.training.arguments import ArgsError
 
-REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
-            "micro_batch_size", "train_iters", "lr", "tokenizer_type")
+REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "lr")
 
 
 def world_size_from_env() -> int:
@@ -35,20 +36,28 @@ def _require(cond: bool, message: str) -> None:
         raise ArgsError(message)
 
 
-def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
-    """Check `args` for a run of `world_size` ranks and fill in derived values. Raises ArgsError."""
-    for name in REQUIRED:
-        _require(getattr(args, name) is not None, f"{_flag(name)} is required")
-    _model_args(args)
-    _parallel_args(args, world_size)
-    _batch_args(args)
-    _pipeline_args(args)
-    _schedule_args(args)
-    _recompute_args(args)
-    _memo_args(args)
-    _data_args(args)
-    _checkpoint_args(args)
+def validate_args(args: argparse.Namespace, world_size: int, errors: Sequence[str] = ()) -> argparse.Namespace:
+    """Check `args` for a run of `world_size` ranks and fill in derived values. Raises ArgsError
+    with every problem found, `errors` (the parser's) first, in one line."""
+    errors = list(errors)
+    for check in (_required, _model_args, partial(_parallel_args, world_size=world_size), _batch_args,
+                  _pipeline_args, _schedule_args, _recompute_args, _memo_args, _data_args, _checkpoint_args):
+        try:
+            check(args)
+        except ArgsError as err:  # the first problem of each group of flags
+            errors.append(str(err))
+        except (TypeError, AttributeError, ValueError, ZeroDivisionError):
+            if not errors:
+                raise
+            # a value an earlier problem left unset or invalid: that problem is already reported
+    if errors:
+        raise ArgsError("; ".join(dict.fromkeys(errors)))
     return args
+
+
+def _required(args):
+    missing = [_flag(name) for name in REQUIRED if getattr(args, name) is None]
+    _require(not missing, f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required")
 
 
 def _model_args(args):
@@ -210,18 +219,42 @@ def num_parameters(args) -> int:
 
 
 def _schedule_args(args):
+    """Training length and the LR schedule, both counted in samples as Megatron's scheduler does:
+    given in iterations (x global batch) or, with --train-samples, in samples."""
+    decay, warmup = _train_iters(args) if args.train_samples is None else _train_samples(args)
     _require(args.train_iters > 0, f"--train-iters must be positive, got {args.train_iters}")
     _require(args.lr >= args.min_lr >= 0.0, f"need --lr {args.lr} >= --min-lr {args.min_lr} >= 0")
-    _require(not (args.lr_warmup_fraction is not None and args.lr_warmup_iters),
-             "--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive")
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    warmup = (args.lr_warmup_fraction * args.lr_decay_iters if args.lr_warmup_fraction is not None
-              else args.lr_warmup_iters)
-    _require(warmup < args.lr_decay_iters,
-             f"warm-up ({warmup:g} iterations) must be shorter than --lr-decay-iters {args.lr_decay_iters}")
+    _require(not (args.lr_warmup_fraction is not None and warmup),
+             "--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples are mutually exclusive")
+    if args.lr_warmup_fraction is not None:
+        warmup = args.lr_warmup_fraction * decay
+    _require(warmup < decay, f"warm-up ({warmup:g} samples) must be shorter than the decay ({decay} samples)")
+    args.lr_decay_steps, args.lr_warmup_steps = decay, warmup
+    _require(not (args.use_checkpoint_opt_param_scheduler and args.override_opt_param_scheduler),
+             "--use-checkpoint-opt_param-scheduler and --override-opt_param-scheduler are mutually exclusive")
     _require(args.log_interval > 0, "--log-interval must be positive")
     _require(args.eval_interval is None or args.eval_interval > 0, "--eval-interval must be positive")
+
+
+def _train_iters(args):
+    _require(args.train_iters is not None, "--train-iters or --train-samples is required")
+    _require(args.lr_decay_samples is None and not args.lr_warmup_samples,
+             "--lr-decay-samples and --lr-warmup-samples need --train-samples (with --train-iters: "
+             "--lr-decay-iters, --lr-warmup-iters)")
+    gbs = args.global_batch_size
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    return args.lr_decay_iters * gbs, args.lr_warmup_iters * gbs
+
+
+def _train_samples(args):
+    gbs = args.global_batch_size
+    _require(args.train_iters is None, "--train-iters and --train-samples are mutually exclusive")
+    _require(args.lr_decay_iters is None and not args.lr_warmup_iters,
+             "with --train-samples the schedule is in samples: --lr-decay-samples, --lr-warmup-samples")
+    _require(args.train_samples >= gbs, f"--train-samples {args.train_samples} is less than one global batch ({gbs})")
+    args.train_iters = args.train_samples // gbs  # a last partial batch is not trained, as in Megatron
+    return args.lr_decay_samples or args.train_samples, args.lr_warmup_samples
 
 
 def _recompute_args(args):
@@ -270,6 +303,10 @@ def _saved_plan(path: str) -> None:
 
 
 def _data_args(args):
+    _require(args.rerun_mode == "disabled", f"--rerun-mode {args.rerun_mode}: Megatron's rerun state machine is "
+             "not implemented (a NaN loss stops the run); use --rerun-mode disabled")
+    _require(args.create_attention_mask_in_dataloader or not args.reset_attention_mask,
+             "--reset-attention-mask needs the dataloader's document mask: drop --no-create-attention-mask-in-dataloader")
     _require(int(args.mock_data) + int(args.passkey_data) + int(bool(args.data_path)) == 1,
              "give exactly one of --mock-data, --passkey-data and --data-path")
     if args.passkey_data:

@@ -27,12 +27,12 @@ def test_megatron_defaults():
     args = args_for()
     expected = dict(hidden_dropout=0.1, attention_dropout=0.1, init_method_std=0.02, weight_decay=0.01,
                     clip_grad=1.0, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, lr_decay_style="linear",
-                    min_lr=0.0, make_vocab_size_divisible_by=128, log_interval=100, eval_interval=1000,
+                    min_lr=0.0, make_vocab_size_divisible_by=128, log_interval=100, eval_interval=None,
                     eval_iters=100, seed=1234, num_workers=2, norm_epsilon=1e-5, rotary_base=10000,
                     rotary_percent=1.0, position_embedding_type="learned_absolute", normalization="LayerNorm",
                     tensor_model_parallel_size=1, pipeline_model_parallel_size=1, add_bias_linear=True,
                     untie_embeddings_and_output_weights=False, timing_log_level=0, attention_backend="auto",
-                    split="969, 30, 1", lr_warmup_iters=0)
+                    split="969, 30, 1", lr_warmup_iters=0, rerun_mode="disabled", mmap_bin_files=True)
     for key, value in expected.items():
         assert getattr(args, key) == value, key
 
@@ -58,7 +58,7 @@ def test_padded_vocab_matches_megatron():
 @pytest.mark.parametrize("extra, world, message", [
     ("--no-such-flag 3", 1, "unrecognized arguments: --no-such-flag 3"),
     ("--fp16", 1, "--fp16: fp16 with loss scaling is not implemented; use --bf16"),
-    ("--num-experts 8", 1, "--num-experts: mixture-of-experts models are not implemented"),
+    ("--num-experts 8", 1, "--num-experts: mixture-of-experts models are outside this project's scope"),
     ("--tensor-model-parallel-size 4 --num-attention-heads 6 --hidden-size 96", 4,
      "--num-attention-heads 6 is not divisible by --tensor-model-parallel-size 4"),
     ("--group-query-attention --num-query-groups 1 --tensor-model-parallel-size 2", 2,
@@ -69,7 +69,7 @@ def test_padded_vocab_matches_megatron():
     ("--group-query-attention --num-query-groups 3", 1, "--num-attention-heads 4 is not divisible by --num-query-groups 3"),
     ("--hidden-size 66", 1, "--hidden-size 66 is not divisible by --num-attention-heads 4"),
     ("--lr-warmup-iters 2 --lr-warmup-fraction 0.1", 1, "mutually exclusive"),
-    ("--lr-warmup-iters 10", 1, "warm-up (10 iterations) must be shorter than --lr-decay-iters 10"),
+    ("--lr-warmup-iters 10", 1, "warm-up (20 samples) must be shorter than the decay (20 samples)"),
     ("--recompute-granularity full", 1, "--recompute-granularity full needs --recompute-method"),
     ("--recompute-method uniform", 1, "--recompute-method needs --recompute-granularity full"),
     ("--recompute-granularity full --recompute-method block --recompute-num-layers 3", 1,
@@ -125,11 +125,24 @@ def test_bad_input_is_one_line(extra, world, message):
     assert message in error_of(extra, world)
 
 
-@pytest.mark.parametrize("missing", ["--num-layers", "--lr", "--train-iters", "--micro-batch-size", "--tokenizer-type"])
+@pytest.mark.parametrize("missing", ["--num-layers", "--lr", "--micro-batch-size"])
 def test_missing_required_flag(missing):
     base, i = list(BASE), BASE.index(missing)
     del base[i : i + 2]
     assert error_of(base=base) == f"{missing} is required"
+
+
+def test_training_length_in_iterations_or_samples():
+    base, i = list(BASE), BASE.index("--train-iters")
+    del base[i : i + 2]
+    assert error_of(base=base) == "--train-iters or --train-samples is required"
+    args = args_for("--train-samples 100 --global-batch-size 8 --lr-warmup-samples 16 --lr-decay-samples 80",
+                    base=base)
+    assert (args.train_iters, args.lr_warmup_steps, args.lr_decay_steps) == (12, 16, 80)
+    iters = args_for("--global-batch-size 8 --lr-warmup-iters 2 --lr-decay-iters 10")
+    assert (iters.lr_warmup_steps, iters.lr_decay_steps) == (16, 80)  # Megatron counts samples either way
+    assert "mutually exclusive" in error_of("--train-samples 100")
+    assert "need --train-samples" in error_of("--lr-warmup-samples 16")
 
 
 def test_null_tokenizer_needs_vocab_size():

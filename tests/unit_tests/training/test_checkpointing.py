@@ -91,3 +91,20 @@ def test_tracker_with_garbage_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="expected an iteration number"):
         read_tracker(str(tmp_path))
     assert read_tracker(str(tmp_path / "missing")) is None
+
+
+@pytest.mark.parametrize("flag, lr", [("", None), ("--use-checkpoint-opt_param-scheduler", 1e-3),
+                                      ("--override-opt_param-scheduler", 2e-3)])
+def test_schedule_settings_on_load_as_megatron_chooses_them(tmp_path, flag, lr):
+    """A run resumed with another --lr: refused by default (one line saying how to choose), the
+    checkpoint's settings with --use-checkpoint-opt_param-scheduler, this run's with --override."""
+    args, pgs, state = make_state(tmp_path, "--lr 1e-3")
+    train_one_step(state, args)
+    save_checkpoint(args, state, pgs)
+    args2, _, resumed = make_state(tmp_path, f"--lr 2e-3 {flag}")
+    if lr is None:
+        with pytest.raises(ValueError, match="do not match: pass --use-checkpoint-opt_param-scheduler"):
+            load_checkpoint(args2, resumed, pgs)
+        return
+    load_checkpoint(args2, resumed, pgs)
+    assert resumed.scheduler.max_lr == lr

@@ -86,8 +86,10 @@ def test_preprocess_writes_what_gpt_dataset_reads(corpus, tmp_path, workers):
             assert ids[-1] == tok.eod and tok.detokenize(ids[:-1]) == source[i]
     args = SimpleNamespace(seed=1, seq_length=16, data_path=[f"{prefix}_text_document"], split="90,5,5",
                            data_cache_path=str(tmp_path / "cache"), reset_position_ids=True,
-                           reset_attention_mask=True, eod_mask_loss=True, mock_data=False)
+                           reset_attention_mask=True, eod_mask_loss=True, mock_data=False,
+                           mmap_bin_files=workers == 1)  # --no-mmap-bin-files (plain reads) passes the same checks
     train, valid, test = build_datasets(args, tok, [10, 4, 4])
+    assert train.config.mmap_bin_files == args.mmap_bin_files
     sample = train[0]
     assert sample["tokens"].shape == (16,) and sample["attention_mask"].shape == (1, 16, 16)
     tokens, mask = sample["tokens"].numpy(), sample["loss_mask"].numpy()

@@ -1,0 +1,82 @@
+"""Megatron-LM users' command lines: every flag of Megatron's own GPT functional-test configs
+(vendored as flag lists, tests/functional_tests/megatron_configs) is known here -- implemented,
+accepted as changing nothing (with the reason in --help), or refused with its reason -- and every
+bad flag of a command line is reported at once, in one line."""
+import gc
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from megatron.training import training
+from megatron.training.arguments import ArgsError, NO_OP, UNSUPPORTED, build_parser, parse
+
+CONFIGS = Path(__file__).resolve().parents[2] / "functional_tests" / "megatron_configs" / "gpt_training_flags.json"
+
+
+def _configs():
+    return json.loads(CONFIGS.read_text())["configs"]
+
+
+def _local(flags):
+    """${VARS} of Megatron's CI replaced by a local path (the values are not read by the parser)."""
+    return ["/tmp/x" if "${" in f or f.startswith("$") else f for f in flags]
+
+
+def test_every_flag_of_megatrons_gpt_configs_is_known():
+    configs = _configs()
+    assert len(configs) >= 150
+    unknown = {}
+    for name, flags in configs.items():
+        _, errors = parse(_local(flags))
+        for e in errors:
+            if e.startswith("unrecognized arguments"):
+                unknown[name] = e
+    assert not unknown, unknown
+
+
+def test_refusals_name_their_reason_and_come_together():
+    """A command line with several bad flags: all of them, each with its reason, in one line."""
+    _, errors = parse(["--fp16", "--moe-router-topk", "2", "--no-such-flag", "3", "--cp-comm-type", "zzz",
+                       "--wandb-project", "p", "--async-save"])
+    assert errors[0].startswith("--cp-comm-type: invalid choice: 'zzz'")
+    assert set(errors[1:]) == {
+        "--fp16: " + UNSUPPORTED["--fp16"], "--async-save: " + UNSUPPORTED["--async-save"],
+        "--moe-router-topk: mixture-of-experts models are outside this project's scope",
+        "--wandb-project: Weights & Biases logging is not implemented; use --tensorboard-dir",
+        "unrecognized arguments: --no-such-flag 3"}
+
+
+def test_parse_and_validate_reports_parser_and_validation_problems_in_one_line(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("SLURM_NTASKS", raising=False)
+    argv = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --micro-batch-size 1 "
+            "--lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 100 --no-such-flag "
+            "--hidden-dropout 1.0 --rerun-mode validate_results").split()
+    with pytest.raises(ArgsError) as info:
+        training.parse_and_validate(argv)
+    parts = str(info.value).split("; ")
+    assert parts[0] == "unrecognized arguments: --no-such-flag"
+    assert "--hidden-dropout must be in [0, 1)" in parts
+    assert "--train-iters or --train-samples is required" in parts
+    assert any(p.startswith("--rerun-mode validate_results:") for p in parts)
+    assert "\n" not in str(info.value)
+
+
+def test_help_says_why_a_no_op_flag_changes_nothing():
+    text = build_parser().format_help()
+    for flag, reason in NO_OP.items():
+        assert flag in text and reason.split(" ")[0] in text
+
+
+def test_manual_gc_collects_only_at_its_interval(monkeypatch):
+    calls = []
+    monkeypatch.setattr(gc, "collect", lambda generation=2: calls.append(generation))
+    args = SimpleNamespace(manual_gc=True, manual_gc_interval=3)
+    for iteration in range(1, 10):
+        training._collect_garbage(args, iteration)
+    assert len(calls) == 3
+    args.manual_gc = False
+    training._collect_garbage(args, 3)
+    assert len(calls) == 3
