@@ -65,9 +65,9 @@ def test_parse_and_validate_reports_parser_and_validation_problems_in_one_line(m
 
 
 def test_help_says_why_a_no_op_flag_changes_nothing():
-    text = build_parser().format_help()
+    text = " ".join(build_parser().format_help().split())  # argparse wraps lines: compare words
     for flag, reason in NO_OP.items():
-        assert flag in text and reason.split(" ")[0] in text
+        assert f"{flag} no effect: {reason}" in text
 
 
 def test_manual_gc_collects_only_at_its_interval(monkeypatch):
