@@ -9,6 +9,7 @@ the planned allocator replays (`Replay`).
 """
 from __future__ import annotations
 
+import bisect
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Tuple
@@ -64,9 +65,9 @@ class MemoryPlan:
 PLAN_FORMAT = "memo-plan-2"
 
 
-def replay_of(trace: Trace, offsets: Dict[str, int]) -> Replay:
-    """The composed plan as the allocator replays it (see Replay)."""
-    outlives = {b.id for b in trace.blocks() if b.end == len(trace.events)}
+def replay_of(trace: Trace, offsets: Dict[str, int], blocks: List[dsa.Block]) -> Replay:
+    """The composed plan as the allocator replays it (see Replay); `blocks` are the trace's."""
+    outlives = {b.id for b in blocks if b.end == len(trace.events)}
     sizes, placed, marks = [], [], []
     for kind, tid, size in trace.events:
         if kind == "mark":
@@ -78,11 +79,18 @@ def replay_of(trace: Trace, offsets: Dict[str, int]) -> Replay:
     return Replay(sizes, placed, marks, extent)
 
 
-def _window_of(block: dsa.Block, windows: Dict[str, Tuple[int, int]]):
-    for label, (lo, hi) in windows.items():
-        if lo < block.start and block.end < hi:
-            return label
-    return None
+def _window_finder(windows: Dict[str, Tuple[int, int]]):
+    """block -> the window it lives in, or None. Windows overlap only by marks (a backward begins
+    just before the next layer's ends), so the only candidate for an allocation is the window
+    that began last before it."""
+    spans = sorted((lo, hi, label) for label, (lo, hi) in windows.items())
+    starts = [lo for lo, _, _ in spans]
+
+    def window_of(block: dsa.Block):
+        i = bisect.bisect_left(starts, block.start) - 1
+        return spans[i][2] if i >= 0 and block.end < spans[i][1] else None
+
+    return window_of
 
 
 def bilevel_plan(trace: Trace, solver: str = "gurobi", time_limit: float = 30.0) -> MemoryPlan:
@@ -90,8 +98,9 @@ def bilevel_plan(trace: Trace, solver: str = "gurobi", time_limit: float = 30.0)
     blocks = trace.blocks()
     inside: Dict[str, List[dsa.Block]] = {label: [] for label in windows}
     outside = []
+    window_of = _window_finder(windows)
     for b in blocks:
-        label = _window_of(b, windows)
+        label = window_of(b)
         (inside[label] if label else outside).append(b)
     level1: Dict[str, dsa.Plan] = {}
     reused: Dict[str, str] = {}
@@ -117,7 +126,7 @@ def bilevel_plan(trace: Trace, solver: str = "gurobi", time_limit: float = 30.0)
             offsets[b.id] = base + level1[label].offsets[b.id]
     dsa.check_plan(blocks, offsets, level2.peak)
     return MemoryPlan(level2.peak, dsa.lower_bound(blocks), offsets, level1, level2, reused,
-                      replay_of(trace, offsets))
+                      replay_of(trace, offsets, blocks))
 
 
 def load_plan_summary(path: str) -> dict:

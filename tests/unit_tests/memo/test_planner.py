@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron.longseq.memo import dsa
-from megatron.longseq.memo.planner import bilevel_plan
+from megatron.longseq.memo.planner import _window_finder, bilevel_plan
 from megatron.longseq.memo.profiler import trace_iteration
 from megatron.longseq.memo.runtime import Memo
 from megatron.longseq.memo.trace import AllocationTracer, Trace, from_cuda_snapshot
@@ -126,6 +126,9 @@ def test_bilevel_plan_of_real_layer_traces(alpha):
     trace = _real_trace(alpha)
     windows = trace.windows()
     assert {f"{k} L{i}" for k in ("fwd", "bwd") for i in range(1, 5)} <= set(windows)
+    window_of = _window_finder(windows)  # the planner's lookup agrees with a scan of every window
+    for b in trace.blocks():
+        assert window_of(b) == next((w for w, (lo, hi) in windows.items() if lo < b.start and b.end < hi), None)
     plan = bilevel_plan(trace, "gurobi", time_limit=20)  # checks every tensor of the trace itself
     summary = plan.summary()
     assert plan.peak >= plan.lower_bound and summary["windows_reusing_a_plan"] >= 2  # identical layers
