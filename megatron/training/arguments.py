@@ -21,7 +21,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 # Megatron flags this trainer does not implement (yet), with the reason the user sees.
-_DIST_CKPT = "needs --ckpt-format torch_dist, which is not implemented yet (--ckpt-format torch is)"
 UNSUPPORTED = {
     "--fp16": "fp16 with loss scaling is not implemented; use --bf16",
     "--use-legacy-models": "only megatron-core models are supported",
@@ -29,17 +28,6 @@ UNSUPPORTED = {
     "--tp-comm-overlap-cfg": "TP communication overlap needs Transformer Engine userbuffers; not implemented",
     "--overlap-param-gather": "param all-gather overlap is not implemented (--overlap-grad-reduce is)",
     "--overlap-param-gather-with-optimizer-step": "param all-gather overlap is not implemented",
-    "--async-save": _DIST_CKPT,
-    "--use-persistent-ckpt-worker": _DIST_CKPT,
-    "--async-strategy": _DIST_CKPT,
-    "--async-ckpt-use-cpu-shm": _DIST_CKPT,
-    "--dist-ckpt-strictness": _DIST_CKPT,
-    "--dist-ckpt-optim-fully-reshardable": _DIST_CKPT,
-    "--ckpt-fully-parallel-load": _DIST_CKPT,
-    "--ckpt-fully-parallel-save": _DIST_CKPT,
-    "--no-ckpt-fully-parallel-save": _DIST_CKPT,
-    "--ckpt-assume-constant-structure": _DIST_CKPT,
-    "--auto-detect-ckpt-format": _DIST_CKPT,
     "--use-tp-pp-dp-mapping": "the tp-pp-dp rank order is not implemented (ranks are ordered tp, cp, dp, pp)",
     "--decoupled-lr": "a separate learning rate for the embedding and output layer is not implemented",
     "--decoupled-min-lr": "a separate learning rate for the embedding and output layer is not implemented",
@@ -71,6 +59,11 @@ UNSUPPORTED = {
     "--test-mode": "not implemented",
     "--finetune": "not implemented yet",
 }
+
+# megatron-core's StrictHandling values (spelled out: importing megatron.core costs seconds, and
+# --help and bad command lines answer before it is imported; a test keeps the two equal).
+STRICTNESS = ["assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
+              "return_unexpected", "return_all", "ignore_all"]
 
 # Flag families outside this project's scope (a GPT trainer for long sequences), by name or
 # prefix (ending in "-"), with the reason the user sees.
@@ -104,6 +97,12 @@ NO_OP = {
     "--accumulate-allreduce-grads-in-fp32": "always on with --bf16",
     "--use-cpu-initialization": "always on: identical weights for every tp size",
     "--attention-softmax-in-fp32": "always: every kernel keeps the softmax in fp32",
+    "--use-persistent-ckpt-worker": "each --async-save writes from a freshly forked process; a persistent "
+                                    "worker only saves that fork",
+    "--async-ckpt-use-cpu-shm": "the writer process inherits the host copies of the tensors by fork; no "
+                                "shared-memory staging is needed",
+    "--dist-ckpt-optim-fully-reshardable": "the optimizer is always saved per model parameter, reshardable "
+                                           "in every dimension",
     "--apply-query-key-layer-scaling": "it divides the scores by the layer number and multiplies them back "
                                        "inside the softmax, which changes nothing mathematically; it keeps "
                                        "fp16 scores in range, and every kernel here scales them in fp32",
@@ -270,7 +269,28 @@ def _checkpoint_and_logging(p):
     g.add_argument("--no-save-rng", action="store_true")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
-    g.add_argument("--ckpt-format", choices=["torch", "torch_dist"], default="torch")
+    g.add_argument("--ckpt-format", choices=["torch", "torch_dist"], default="torch_dist",
+                   help="torch_dist: megatron-core's sharded format, loadable under any tp/pp/dp/cp layout; "
+                        "torch: one file per model-parallel rank, loadable under the same tp and pp only")
+    g.add_argument("--auto-detect-ckpt-format", action="store_true",
+                   help="load a checkpoint in whichever format it is (default: it must be --ckpt-format)")
+    g.add_argument("--async-save", action="store_true",
+                   help="torch_dist: write the checkpoint in the background while training goes on; the next "
+                        "save and the end of the run wait for it")
+    g.add_argument("--async-strategy", choices=["mcore"], default="mcore",
+                   help="megatron-core's async request, run by a forked writer process")
+    g.add_argument("--dist-ckpt-strictness", default="assume_ok_unexpected",
+                   choices=STRICTNESS,
+                   help="torch_dist load: what to do about keys the checkpoint and the model do not share")
+    g.add_argument("--ckpt-fully-parallel-save", action="store_true", default=True,
+                   help="torch_dist: the data-parallel replicas share the writing (the default)")
+    g.add_argument("--no-ckpt-fully-parallel-save", action="store_false", dest="ckpt_fully_parallel_save",
+                   help="torch_dist: the first data-parallel replica writes everything")
+    g.add_argument("--ckpt-fully-parallel-load", action="store_true",
+                   help="torch_dist, GPU: the data-parallel replicas share the reading and exchange the pieces "
+                        "(megatron-core's exchange needs CUDA; on CPU every rank reads its own)")
+    g.add_argument("--ckpt-assume-constant-structure", action="store_true",
+                   help="torch_dist: reuse the first save's plan for later saves of the same structure")
     g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
                    action="store_true", dest="use_checkpoint_opt_param_scheduler",
                    help="on load, take the LR/WD schedule's settings from the checkpoint (default: they must "

@@ -1,4 +1,5 @@
-"""Checkpoints in Megatron's `torch` layout, written atomically, resumed exactly.
+"""Checkpoints in Megatron's `torch` layout, written atomically, resumed exactly; the parts every
+format shares (tracker, directory names, argument checks, publishing a finished save).
 
   <dir>/latest_checkpointed_iteration.txt          the tracker, written last
   <dir>/iter_0000010/mp_rank_00[_001]/model_optim_rng.pt   one file per (tp[, pp]) rank
@@ -30,6 +31,9 @@ MUST_MATCH = ("num_layers", "hidden_size", "num_attention_heads", "num_query_gro
               "kv_channels", "padded_vocab_size", "position_embedding_type", "normalization", "swiglu",
               "add_bias_linear", "untie_embeddings_and_output_weights", "tensor_model_parallel_size",
               "pipeline_model_parallel_size")
+# The layout: fixed for a torch-format checkpoint, free for a torch_dist one.
+LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
+FORMAT_FILE = "metadata.json"  # written last into a torch_dist checkpoint by megatron-core
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -68,7 +72,7 @@ def _atomic_write_text(path: str, text: str) -> None:
     _fsync_dir(os.path.dirname(path) or ".")
 
 
-def _model_keys(chunks) -> list:
+def model_keys(chunks) -> list:
     """Megatron's names: "model", or "model0", "model1", ... for virtual pipeline chunks."""
     return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
 
@@ -77,15 +81,14 @@ def _model_states(chunks) -> dict:
     # Clone: parameters are views of the flat DDP buffer; the file should hold each tensor alone.
     # Unwrapped (no bf16 wrapper prefix), as Megatron saves.
     return {key: {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in model.state_dict().items()}
-            for key, model in zip(_model_keys(chunks), unwrap(chunks))}
+            for key, model in zip(model_keys(chunks), unwrap(chunks))}
 
 
 def save_checkpoint(args, state, pgs) -> str:
     """Collective. `state` has model, optimizer, scheduler, iteration, consumed samples, flops."""
     iteration = state.iteration
     final, tmp = iteration_dir(args.save, iteration), iteration_dir(args.save, iteration) + ".tmp"
-    rank0 = dist.get_rank() == 0
-    if rank0:
+    if dist.get_rank() == 0:
         os.makedirs(args.save, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
         os.makedirs(tmp)
@@ -99,16 +102,22 @@ def save_checkpoint(args, state, pgs) -> str:
     if sharded and not args.no_save_optim:
         _atomic_torch_save(state.optimizer.state_dict(), _shard_path(rank_dir, pgs))
     dist.barrier()
-    if rank0:
-        for root, _, _ in os.walk(tmp):
-            _fsync_dir(root)
+    publish(args.save, tmp, final, iteration)
+    return final
+
+
+def publish(root: str, tmp: str, final: str, iteration: int) -> None:
+    """Collective, after every rank's files are complete: rank 0 syncs the tree, renames it into
+    place and only then points the tracker at it."""
+    if dist.get_rank() == 0:
+        for path, _, _ in os.walk(tmp):
+            _fsync_dir(path)
         if os.path.exists(final):  # saving the same iteration again: replace it
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync_dir(args.save)
-        _atomic_write_text(os.path.join(args.save, TRACKER), str(iteration))
+        _fsync_dir(root)
+        _atomic_write_text(os.path.join(root, TRACKER), str(iteration))
     dist.barrier()
-    return final
 
 
 def _shard_path(rank_dir: str, pgs) -> str:
@@ -144,15 +153,31 @@ def read_tracker(root: str) -> Optional[int]:
     return int(text)
 
 
+def latest_checkpoint(root: str) -> Optional[str]:
+    """The iteration directory the tracker under `root` points at; None when there is none."""
+    iteration = read_tracker(root)
+    return None if iteration is None else iteration_dir(root, iteration)
+
+
+def checkpoint_format(path: str, args) -> str:
+    """The format of the checkpoint at `path`; one that is not --ckpt-format is an error unless
+    --auto-detect-ckpt-format (Megatron's rule)."""
+    found = "torch_dist" if os.path.isfile(os.path.join(path, FORMAT_FILE)) else "torch"
+    if found != args.ckpt_format and not args.auto_detect_ckpt_format:
+        raise ValueError(f"{path} is a {found}-format checkpoint but --ckpt-format is {args.ckpt_format}; "
+                         f"pass --ckpt-format {found} or --auto-detect-ckpt-format")
+    return found
+
+
 def load_checkpoint(args, state, pgs) -> bool:
-    """Fill `state` from the latest checkpoint under --load. False when there is none."""
-    iteration = read_tracker(args.load)
-    if iteration is None:
+    """Fill `state` from the latest torch-format checkpoint under --load. False when there is none."""
+    path = latest_checkpoint(args.load)
+    if path is None:
         return False
-    rank_dir = os.path.join(iteration_dir(args.load, iteration), rank_dir_name(pgs))
+    rank_dir = os.path.join(path, rank_dir_name(pgs))
     obj = torch.load(os.path.join(rank_dir, "model_optim_rng.pt"), map_location="cpu", weights_only=False)
-    _check_args(obj["args"], args)
-    for key, model in zip(_model_keys(state.model), unwrap(state.model)):
+    check_args(obj["args"], args)
+    for key, model in zip(model_keys(state.model), unwrap(state.model)):
         model.load_state_dict(obj[key], strict=True)
     state.optimizer.reload_model_params()
     if not args.no_load_optim:
@@ -162,7 +187,7 @@ def load_checkpoint(args, state, pgs) -> bool:
         if opt is None:
             raise ValueError(f"{rank_dir} holds no optimizer state; load with --no-load-optim")
         state.optimizer.load_state_dict(opt)
-    _load_schedule(state.scheduler, obj["opt_param_scheduler"])
+    load_schedule(state.scheduler, obj["opt_param_scheduler"])
     if not args.no_load_rng and "rng_state" in obj:
         load_rng_state_dict(obj["rng_state"])
     state.iteration = obj["iteration"]
@@ -172,7 +197,7 @@ def load_checkpoint(args, state, pgs) -> bool:
     return True
 
 
-def _load_schedule(scheduler, saved: dict) -> None:
+def load_schedule(scheduler, saved: dict) -> None:
     """megatron-core asserts that the checkpoint's schedule settings equal this run's unless told
     which to take; a mismatch is one line that says how to choose."""
     try:
@@ -182,7 +207,7 @@ def _load_schedule(scheduler, saved: dict) -> None:
                          "--override-opt_param-scheduler (this run's)") from None
 
 
-def _check_args(saved: dict, args) -> None:
+def check_args(saved: dict, args) -> None:
     for key, value in saved.items():
         if getattr(args, key) != value:
             raise ValueError(f"checkpoint has {key}={value} but this run has {getattr(args, key)}")

@@ -170,10 +170,12 @@ class GradBuffer:
 
     def all_gather_params(self) -> None:
         """After a sharded step: every rank's updated slice to everybody."""
+        self.gather_flat(self.param_data)
+
+    def gather_flat(self, flat: torch.Tensor) -> None:
+        """In place: each rank's owned slices of `flat` (laid out like the buffers) to every shard."""
         if self.shards == 1:
             return
         for bucket in self.buckets:
             lo, hi = bucket.shard_range(self.dp_rank, self.shards)
-            dist.all_gather_into_tensor(
-                self.param_data[bucket.start : bucket.end], self.param_data[lo:hi].clone(), group=self.dp_group
-            )
+            dist.all_gather_into_tensor(flat[bucket.start : bucket.end], flat[lo:hi].clone(), group=self.dp_group)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,11 @@ def no_weight_decay(name: str, param: torch.Tensor) -> bool:
 class Fragment:
     main: torch.Tensor  # fp32 view of the main buffer; .grad is a view of the grad buffer
     counted: bool  # counted in norms (not a replica of tp rank 0's copy)
+    start: int  # where `main` begins in the flat buffers
+
+
+# Per model parameter, what a checkpoint in model space holds (Megatron's names).
+MODEL_SPACE = ("fp32_param", "exp_avg", "exp_avg_sq")
 
 
 class DistributedAdam:
@@ -47,7 +52,7 @@ class DistributedAdam:
             main.grad = buffer.grad_data[start:end]
             # Counted once: tp replicas only on tp rank 0, the tied embedding only on the first stage.
             counted = (getattr(p, "tensor_model_parallel", False) or tp_rank == 0) and not getattr(p, "shared", False)
-            self.fragments.append(Fragment(main, counted))
+            self.fragments.append(Fragment(main, counted, start))
             groups[not no_weight_decay(names[p], p)].append(main)
         # wd_mult is what megatron-core's LR scheduler multiplies the weight decay by.
         param_groups = [
@@ -135,6 +140,40 @@ class DistributedAdam:
         if not self.fp32_model:
             state["main_params"] = [self.main_data[lo:hi].clone() for lo, hi in self.buffer.owned_ranges()]
         return state
+
+    def model_space_state(self) -> Dict[str, torch.Tensor]:
+        """Main params and Adam moments of every parameter of this model part, whole on every
+        data-parallel rank, laid out like the flat buffers: the form a checkpoint cuts by model
+        parameter, so that it loads under any tp/pp/dp. Costs three fp32 copies of the model part
+        for the duration of a save."""
+        flats = {}
+        for name in MODEL_SPACE:
+            flat = torch.zeros(self.main_data.numel(), dtype=torch.float32, device=self.main_data.device)
+            for f in self.fragments:
+                source = f.main if name == "fp32_param" else self.optimizer.state[f.main].get(name)
+                if source is not None:  # no moments before the first step
+                    flat[f.start : f.start + f.main.numel()] = source
+            self.buffer.gather_flat(flat)
+            flats[name] = flat
+        return flats
+
+    def adam_steps(self) -> int:
+        """Adam's step count (the same for every parameter; bias correction depends on it)."""
+        state = self.optimizer.state.get(self.fragments[0].main) if self.fragments else None
+        return int(state["step"]) if state else 0
+
+    def load_model_space_state(self, flats: Dict[str, torch.Tensor], steps: int) -> None:
+        """Inverse of model_space_state: take this rank's owned pieces; the model's own copy of the
+        weights must already be loaded (they agree with the main params to the model's precision)."""
+        for f in self.fragments:
+            piece = slice(f.start, f.start + f.main.numel())
+            f.main.copy_(flats["fp32_param"][piece])
+            self.optimizer.state.pop(f.main, None)
+            if steps:
+                # torch's AdamW keeps the step as a float32 scalar tensor on the host
+                self.optimizer.state[f.main] = {"step": torch.tensor(float(steps), dtype=torch.float32),
+                                                "exp_avg": flats["exp_avg"][piece].clone(),
+                                                "exp_avg_sq": flats["exp_avg_sq"][piece].clone()}
 
     def load_state_dict(self, state: dict) -> None:
         if state["layout"] != self.layout():

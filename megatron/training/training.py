@@ -24,7 +24,8 @@ from megatron.longseq.attention.ledger import LEDGER
 from megatron.longseq.pipeline.p2p import connect_links
 from megatron.longseq.pipeline.seq1f1b import Pipeline, forward_backward_seq1f1b
 from megatron.training.arguments import ArgsError, parse
-from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron.training import dist_ckpt
+from megatron.training.checkpointing import checkpoint_format, latest_checkpoint, load_checkpoint, save_checkpoint
 from megatron.training.data import build_loader, train_valid_test_num_samples
 from megatron.training.distributed import GradBuffer
 from megatron.training.flops import default_peak_tflops, num_floating_point_operations
@@ -47,6 +48,7 @@ class TrainState:
     scheduler: OptimizerParamScheduler
     pipeline: Pipeline
     memo: object = None
+    saver: Optional[dist_ckpt.CheckpointSaver] = None  # torch_dist saves (one may be in flight)
     iteration: int = 0
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0
@@ -349,6 +351,8 @@ def train(forward_step_func, train_iter, valid_iter, state: TrainState, args, pg
         state.consumed_train_samples += args.global_batch_size
         state.flops_so_far += reporter.flops_per_iter
         reporter.iteration(state, losses, grad_norm, num_zeros)
+        if state.saver is not None:
+            state.saver.finish(blocking=False)  # publish a background save once every rank has written it
         _collect_garbage(args, state.iteration)
         if valid_iter is not None and args.eval_iters > 0 and args.eval_interval and state.iteration % args.eval_interval == 0:
             evaluate_and_print("validation", forward_step_func, valid_iter, state, args, pgs, tb, True)
@@ -377,9 +381,31 @@ def write_timeline(directory: str, pipeline: Pipeline, pgs) -> None:
 
 def save_and_report(args, state, pgs):
     start = time.perf_counter()
-    path = save_checkpoint(args, state, pgs)
-    print_rank_0(f"  successfully saved checkpoint from iteration {state.iteration:7d} to {path} "
+    if state.saver is None:  # --ckpt-format torch
+        _report_saved(start, state.iteration, save_checkpoint(args, state, pgs))
+        return
+    path = state.saver.save(state, on_done=partial(_report_saved, start))
+    if args.async_save:
+        print_rank_0(f"  scheduled an async checkpoint save at iteration {state.iteration:7d} to {path}")
+
+
+def _report_saved(start: float, iteration: int, path: str) -> None:
+    print_rank_0(f"  successfully saved checkpoint from iteration {iteration:7d} to {path} "
                  f"[ t {time.perf_counter() - start:.2f}s ]")
+
+
+def load_and_report(args, state, pgs) -> None:
+    """Resume from the checkpoint the tracker under --load points at, in whichever format it is
+    allowed to be (see checkpoint_format)."""
+    path = latest_checkpoint(args.load)
+    if path is None:
+        print_rank_0(f"WARNING: no checkpoint under {args.load}; starting from random initialisation")
+        return
+    if checkpoint_format(path, args) == "torch_dist":
+        dist_ckpt.load_checkpoint(args, state, pgs, path)
+    else:
+        load_checkpoint(args, state, pgs)
+    print_rank_0(f"  successfully loaded checkpoint from {args.load} at iteration {state.iteration}")
 
 
 def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_func, argv=None,
@@ -398,10 +424,10 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     state = setup(args, pgs, model_provider)
     if args.memo:
         state.memo = setup_memo(args, pgs, state, forward_step_func, device_of(args))
-    if args.load and load_checkpoint(args, state, pgs):
-        print_rank_0(f"  successfully loaded checkpoint from {args.load} at iteration {state.iteration}")
-    elif args.load:
-        print_rank_0(f"WARNING: no checkpoint under {args.load}; starting from random initialisation")
+    if args.load:
+        load_and_report(args, state, pgs)
+    if args.save and args.ckpt_format == "torch_dist":
+        state.saver = dist_ckpt.CheckpointSaver(args, pgs, device_of(args))
     train_ds, valid_ds, test_ds = train_valid_test_datasets_provider(args, tokenizer, train_valid_test_num_samples(args))
     train_iter = build_loader(train_ds, state.consumed_train_samples, args, pgs)
     valid_iter = build_loader(valid_ds, state.consumed_valid_samples, args, pgs)
@@ -411,6 +437,8 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
         exited = train(forward_step_func, train_iter, valid_iter, state, args, pgs, timers, tb)
         if not exited:
             _finish(args, state, pgs, forward_step_func, valid_iter, test_ds, tb)
+        if state.saver is not None:
+            state.saver.finish(blocking=True)  # the run ends when its last checkpoint is complete
     finally:
         tb.close()
     dist.barrier()

@@ -373,8 +373,8 @@ def data_prefixes(data_path):
 def _checkpoint_args(args):
     _require(args.save_interval is None or args.save is not None, "--save-interval needs --save")
     _require(args.save_interval is None or args.save_interval > 0, "--save-interval must be positive")
-    _require(args.ckpt_format == "torch",
-             "--ckpt-format torch_dist is not implemented; use --ckpt-format torch")
+    _require(not args.async_save or args.ckpt_format == "torch_dist",
+             f"--async-save needs --ckpt-format torch_dist (got {args.ckpt_format})")
     if args.exit_interval is not None:
         _require(args.exit_interval > 0, "--exit-interval must be positive")
 

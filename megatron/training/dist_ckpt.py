@@ -1,0 +1,247 @@
+"""Checkpoints in megatron-core's `torch_dist` format (Megatron's default), loadable under any
+tensor / pipeline / data / context-parallel layout.
+
+  <dir>/latest_checkpointed_iteration.txt                  the tracker, written last
+  <dir>/iter_0000010/{.metadata, __R_I.distcp, common.pt, metadata.json}
+
+Every tensor is saved by its place in the whole model (megatron-core's sharded state dict: layer
+offsets for pipeline stages, the tp-split axis), so any layout reads the pieces it needs. The
+optimizer is saved in model space: each parameter's fp32 main copy and Adam moments as tensors of
+the parameter's shape, cut like the parameter (Megatron's fully reshardable form), whatever the
+data-parallel sharding of the run that wrote it.
+
+A save is one megatron-core async request on every path: tensors are copied to host memory, a
+forked process writes them, and a collective finish gathers the write results, writes the metadata,
+renames iter_XXXXXXX.tmp into place and only then replaces the tracker. With --async-save the
+training loop goes on while the process writes; the next save and the end of the run wait for it.
+A crash or SIGKILL at any moment leaves the previous checkpoint and a tracker that points at it.
+
+megatron-core's torch_dist writer assumes CUDA twice (staging ends in torch.cuda.synchronize; the
+finish broadcasts a CUDA tensor). The strategy below replaces those two steps with device-agnostic
+ones, so CPU runs (gloo) take the same path as GPU runs.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+from functools import partial
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing import ShardedObject
+from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelLoadStrategyWrapper, FullyParallelSaveStrategyWrapper)
+from megatron.core.dist_checkpointing.strategies.torch import (
+    TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy)
+
+from megatron.longseq.random import load_rng_state_dict, rng_state_dict
+from megatron.training.checkpointing import (
+    CHECKPOINT_VERSION, LAYOUT_ARGS, MUST_MATCH, check_args, iteration_dir, load_schedule, model_keys, publish)
+from megatron.training.model import unwrap
+from megatron.training.optimizer import MODEL_SPACE
+
+# ---- the writer: host staging and a device-agnostic finish ---------------------------------------
+def _stage_on_host(write_buckets):
+    """Copies, never references: training goes on while they are written, and `.to("cpu")` of a
+    host tensor would be the tensor itself."""
+    staged = []
+    for file_name, storage_key, (bytes_data, tensor_data) in write_buckets:
+        tensors = [(item, t.detach().to("cpu", copy=True)) for item, t in tensor_data]
+        staged.append((file_name, storage_key, (bytes_data, tensors)))
+    return staged
+
+
+def _finish_write(writer, global_metadata, dist_wrapper) -> None:
+    """Collective: every rank's write results to the coordinator, which writes `.metadata`; a
+    failed write on any rank raises on all of them."""
+    results = dist_wrapper.gather_object(writer.retrieve_write_results())
+    failed = None
+    if dist_wrapper.is_coordinator:
+        failed = [rank for rank, r in enumerate(results) if not isinstance(r, list)]
+        if not failed:
+            writer.finish(global_metadata, results)
+    failed = dist_wrapper.broadcast_object(failed)
+    if failed:
+        raise RuntimeError(f"checkpoint write failed on rank(s) {failed}; the previous checkpoint stays")
+
+
+class HostStagedTorchDistSave(TorchDistSaveShardedStrategy):
+    """megatron-core's torch_dist save with the two CUDA-only steps replaced (see the module doc)."""
+
+    def _get_save_and_finalize_callbacks(self, writer, save_state_dict_ret) -> AsyncRequest:
+        save_fn, _, save_args = writer.get_save_function_and_args()
+        return AsyncRequest(save_fn, save_args, [partial(_finish_write, *save_state_dict_ret)],
+                            preload_fn=partial(_stage_on_host, writer.write_buckets))
+
+
+# ---- what is saved ---------------------------------------------------------------------------------
+def _layout(pgs) -> dict:
+    return {axis: pgs.size(axis) for axis in ("tp", "pp", "dp", "cp")}
+
+
+def _model_sharded(chunks, pgs) -> dict:
+    metadata = {"dp_cp_group": pgs.dp_cp}  # replicas over dp x cp, from our groups
+    return {key: m.sharded_state_dict(metadata=metadata) for key, m in zip(model_keys(chunks), chunks)}
+
+
+def _optimizer_sharded(chunks, model_sd: dict, flats: dict, offsets: dict) -> dict:
+    """Each parameter's main copy and moments as the parameter's own ShardedTensor under Megatron's
+    key prefix "optimizer.state.<name>.": same global shape, offsets, tp axis and replicas."""
+    out = {}
+    for key, model in zip(model_keys(chunks), chunks):
+        for name, p in model.named_parameters():
+            lo = offsets[p]
+            for state in MODEL_SPACE:
+                piece = flats[state][lo : lo + p.numel()].view_as(p)  # flat [numel] -> p's shape
+                out[f"{key}.{name}.{state}"] = make_sharded_optimizer_tensor(
+                    model_sd[key][name], piece, f"optimizer.state.{state}")
+    return out
+
+
+def _rng_sharded(pgs) -> ShardedObject:
+    # Every rank's own streams; only meaningful to a run with the same layout (see _load_rng).
+    world, rank = dist.get_world_size(), dist.get_rank()
+    return ShardedObject("rng_state", rng_state_dict(), (world,), (rank,), replica_id=0)
+
+
+def _common(args, state, pgs) -> dict:
+    """Plain values (common.pt, written by rank 0): the same on every rank."""
+    common = {
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "args": {k: getattr(args, k) for k in MUST_MATCH},
+        "layout": _layout(pgs),
+        "iteration": state.iteration,
+        "opt_param_scheduler": state.scheduler.state_dict(),
+        "consumed_train_samples": state.consumed_train_samples,
+        "consumed_valid_samples": state.consumed_valid_samples,
+        "num_floating_point_operations_so_far": state.flops_so_far,
+        "rng_saved": not args.no_save_rng,
+    }
+    if not args.no_save_optim:
+        common["optimizer_steps"] = state.optimizer.adam_steps()
+    return common
+
+
+def _sharded(state, pgs, flats: Optional[dict], rng: bool) -> dict:
+    """The tensors (and per-rank objects), each placed in the whole model."""
+    chunks = unwrap(state.model)
+    model_sd = _model_sharded(chunks, pgs)
+    sd = dict(model_sd)
+    if flats is not None:
+        sd["optimizer"] = _optimizer_sharded(chunks, model_sd, flats, state.optimizer.buffer.offsets)
+    if rng:
+        sd["rng_state"] = _rng_sharded(pgs)
+    return sd
+
+
+# ---- save ------------------------------------------------------------------------------------------
+class CheckpointSaver:
+    """At most one save in flight. `save` stages and starts it; `finish` completes it (collective:
+    every rank calls it at the same iterations)."""
+
+    def __init__(self, args, pgs, device: torch.device):
+        self.args, self.pgs, self.device = args, pgs, device
+        strategy = HostStagedTorchDistSave("torch_dist", 1, cached_metadata=args.ckpt_assume_constant_structure)
+        if args.ckpt_fully_parallel_save:  # the replicas over dp x cp share the writing
+            strategy = FullyParallelSaveStrategyWrapper(strategy, pgs.dp_cp, args.ckpt_assume_constant_structure)
+        self.strategy = strategy
+        self.pending = None  # (process, request, iteration, on_done)
+
+    def save(self, state, on_done=None) -> str:
+        """Start saving `state`; waits for a save still in flight first. Returns the final path."""
+        self.finish(blocking=True)
+        args = self.args
+        final = iteration_dir(args.save, state.iteration)
+        tmp = final + ".tmp"
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
+            os.makedirs(tmp)
+        dist.barrier()
+        flats = None if args.no_save_optim else state.optimizer.model_space_state()
+        sd = {**_common(args, state, self.pgs), **_sharded(state, self.pgs, flats, not args.no_save_rng)}
+        request = dist_checkpointing.save(sd, tmp, self.strategy, async_sharded_save=True)
+        self._start(request, state.iteration, on_done)
+        if not args.async_save:
+            self.finish(blocking=True)
+        return final
+
+    def _start(self, request: AsyncRequest, iteration: int, on_done) -> None:
+        save_args = list(request.async_fn_args)
+        if request.preload_fn:
+            save_args[1] = request.preload_fn()  # the write buckets, now host copies
+        process = None
+        if request.async_fn is not None:  # None: this rank has nothing to write
+            # fork: the staged tensors are inherited, not pickled (megatron-core's own async caller
+            # does the same); the child touches no device.
+            process = mp.get_context("fork").Process(target=request.async_fn, args=save_args,
+                                                     kwargs=request.async_fn_kwargs, daemon=False)
+            process.start()
+        self.pending = (process, request, iteration, on_done)
+
+    def _done_everywhere(self) -> bool:
+        process = self.pending[0]
+        done = torch.tensor([0 if process is not None and process.is_alive() else 1], device=self.device)
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        return bool(done.item())
+
+    def finish(self, blocking: bool) -> Optional[int]:
+        """Complete the save in flight if every rank's writer is done (or wait for them when
+        blocking). Returns the iteration it published, None if none."""
+        if self.pending is None or not (blocking or self._done_everywhere()):
+            return None
+        process, request, iteration, on_done = self.pending
+        self.pending = None
+        if process is not None:
+            process.join()
+        for fn in request.finalize_fns:  # write results gathered, .metadata and metadata.json written
+            fn()
+        final = iteration_dir(self.args.save, iteration)
+        publish(self.args.save, final + ".tmp", final, iteration)
+        if on_done is not None:
+            on_done(iteration, final)
+        return iteration
+
+
+# ---- load ------------------------------------------------------------------------------------------
+def _load_strategy(args, pgs):
+    strategy = TorchDistLoadShardedStrategy()
+    # megatron-core's exchange of the pieces each rank read is CUDA-only; on CPU every rank reads
+    # its own pieces, which loads the same values.
+    if args.ckpt_fully_parallel_load and args.device_type == "cuda":
+        strategy = FullyParallelLoadStrategyWrapper(strategy, pgs.dp_cp)
+    return strategy
+
+
+def load_checkpoint(args, state, pgs, path: str) -> None:
+    """Fill `state` from the torch_dist checkpoint at `path` (an iteration directory)."""
+    common = dist_checkpointing.load_common_state_dict(path)
+    check_args({k: v for k, v in common["args"].items() if k not in LAYOUT_ARGS}, args)
+    load_optim = not args.no_load_optim
+    if load_optim and "optimizer_steps" not in common:
+        raise ValueError(f"{path} holds no optimizer state; load with --no-load-optim")
+    flats = {name: torch.zeros_like(state.optimizer.main_data) for name in MODEL_SPACE} if load_optim else None
+    # RNG streams belong to ranks: a run with another layout starts its own (as Megatron does).
+    rng = common["rng_saved"] and not args.no_load_rng and common["layout"] == _layout(pgs)
+    loaded = dist_checkpointing.load(_sharded(state, pgs, flats, rng), path, _load_strategy(args, pgs),
+                                     strict=args.dist_ckpt_strictness)
+    if isinstance(loaded, tuple):  # the return_* strictness modes also hand back the mismatches
+        loaded = loaded[0]
+    chunks = unwrap(state.model)
+    for key, model in zip(model_keys(chunks), chunks):
+        model.load_state_dict(loaded[key], strict=args.dist_ckpt_strictness != "ignore_all")
+    if load_optim:
+        state.optimizer.load_model_space_state(flats, common["optimizer_steps"])
+    else:
+        state.optimizer.reload_model_params()
+    load_schedule(state.scheduler, common["opt_param_scheduler"])
+    if rng:
+        load_rng_state_dict(loaded["rng_state"])
+    state.iteration = common["iteration"]
+    state.consumed_train_samples = common["consumed_train_samples"]
+    state.consumed_valid_samples = common["consumed_valid_samples"]
+    state.flops_so_far = common["num_floating_point_operations_so_far"]

@@ -1,0 +1,79 @@
+"""torch_dist checkpoints: complete and exact in one layout, atomic, asynchronous; loading into
+other layouts is proven end to end in tests/functional_tests (resharding)."""
+import os
+
+import pytest
+import torch
+
+from megatron.training.arguments import STRICTNESS
+from megatron.training.checkpointing import TRACKER, read_tracker
+from megatron.training.dist_ckpt import CheckpointSaver, load_checkpoint
+from tests.unit_tests.training.test_checkpointing import make_state, train_one_step
+from tests.unit_tests.dist_utils import init_single_rank_world
+from tests.unit_tests.model_utils import lm_loss
+
+
+def saver_state(tmp_path, extra=""):
+    args, pgs, state = make_state(tmp_path, extra)
+    state.saver = CheckpointSaver(args, pgs, torch.device("cpu"))
+    return args, pgs, state
+
+
+def test_strictness_choices_are_megatron_cores():
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    assert STRICTNESS == [s.value for s in StrictHandling]
+
+
+@pytest.mark.parametrize("extra", ["", "--async-save"])
+def test_resume_continues_exactly(tmp_path, extra):
+    """Model, fp32 main params, Adam moments and step, schedule, position and RNG come back: the
+    step after the load is the step the saving run took (bf16 model, so the main params matter)."""
+    args, pgs, state = saver_state(tmp_path, extra)
+    for _ in range(2):
+        train_one_step(state, args)
+    path = state.saver.save(state)
+    state.saver.finish(blocking=True)
+    assert read_tracker(str(tmp_path)) == 2 and sorted(os.listdir(path)) == [
+        ".metadata", "__0_0.distcp", "__0_1.distcp", "common.pt", "metadata.json"]
+    rng_after_save = torch.rand(3)
+    train_one_step(state, args)
+    after = lm_loss(state.model[0], args, seed=5).item()
+
+    _, _, resumed = make_state(tmp_path)
+    load_checkpoint(args, resumed, pgs, path)
+    assert torch.equal(torch.rand(3), rng_after_save)
+    assert (resumed.iteration, resumed.consumed_train_samples) == (2, 2 * args.global_batch_size)
+    assert resumed.optimizer.adam_steps() == 2
+    train_one_step(resumed, args)
+    assert lm_loss(resumed.model[0], args, seed=5).item() == after
+
+
+def test_async_save_is_published_only_when_written(tmp_path):
+    """The tracker moves when the collective finish has run, not when the save was started; the
+    training state may change meanwhile without reaching the file (the tensors were copied)."""
+    args, pgs, state = saver_state(tmp_path, "--async-save")
+    train_one_step(state, args)
+    state.saver.save(state)
+    saved = {k: v.clone() for k, v in state.model[0].state_dict().items() if torch.is_tensor(v)}
+    assert read_tracker(str(tmp_path)) is None and os.path.isdir(tmp_path / "iter_0000001.tmp")
+    train_one_step(state, args)  # changes the weights while the writer runs
+    state.saver.finish(blocking=True)
+    assert read_tracker(str(tmp_path)) == 1 and not os.path.exists(tmp_path / "iter_0000001.tmp")
+
+    _, _, resumed = make_state(tmp_path)
+    load_checkpoint(args, resumed, pgs, str(tmp_path / "iter_0000001"))
+    for key, value in resumed.model[0].state_dict().items():
+        if torch.is_tensor(value):
+            assert torch.equal(value, saved[key]), key
+
+
+def test_checkpoint_without_optimizer_needs_no_load_optim(tmp_path):
+    args, pgs, state = saver_state(tmp_path, "--no-save-optim")
+    path = state.saver.save(state)
+    _, _, fresh = make_state(tmp_path)
+    with pytest.raises(ValueError, match="holds no optimizer state; load with --no-load-optim"):
+        load_checkpoint(args, fresh, pgs, path)
+    args2, _, fresh = make_state(tmp_path, "--no-load-optim")
+    load_checkpoint(args2, fresh, pgs, path)
+    assert fresh.optimizer.adam_steps() == 0
