@@ -1,12 +1,15 @@
 """End-to-end runs of pretrain_gpt.py under torchrun: the case table, exact resume, bad input."""
+import os
 import re
+import signal
 import subprocess
 import sys
 
 import pytest
 
 from megatron.training.passkey import CHANCE_LOSS
-from tests.functional_tests.cases import BY_NAME, CASES, TRAIN_ITERS
+from megatron.training.checkpointing import TRACKER
+from tests.functional_tests.cases import BY_NAME, CASES, COMMON, TRAIN_ITERS, Case
 from tests.functional_tests.run import ROOT, load_golden, run_case
 from tests.unit_tests.dist_utils import child_env, free_port
 
@@ -173,3 +176,44 @@ def test_passkey_is_learned_across_context_parallel_ranks(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = re.search(r"validation loss at iteration 220 \| lm loss value: ([0-9.E+-]+)", proc.stdout)
     assert found and float(found.group(1)) < 0.4 * CHANCE_LOSS, proc.stdout[-2000:]
+
+
+def test_async_save_killed_mid_write_resumes_from_the_previous_checkpoint(runs, tmp_path):
+    """SIGKILL (trainer and writer processes) while the save of iteration 10 is on disk in part:
+    the tracker still names iteration 5, the half-written directory is never taken for a
+    checkpoint, and the resumed run prints the uninterrupted run's losses."""
+    case = BY_NAME["gpt_base"]
+    ckpt = str(tmp_path / "ckpt")
+    flags = list(COMMON) + ["--save", ckpt, "--save-interval", "5", "--async-save"]
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "functional_tests" / "kill_during_save.py"), "2"]
+                          + flags, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env=child_env(), start_new_session=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert (tmp_path / "ckpt" / TRACKER).read_text() == "5"
+    assert sorted(os.listdir(ckpt)) == ["iter_0000005", "iter_0000010.tmp", TRACKER]
+    written = os.listdir(os.path.join(ckpt, "iter_0000010.tmp"))
+    assert any(f.endswith(".distcp") for f in written) and ".metadata" not in written  # killed mid-save
+    resumed = run_case(case, runs.workdir, ["--load", ckpt])
+    assert sorted(resumed) == list(range(6, TRAIN_ITERS + 1))
+    full = runs(case.name)
+    assert {s: full[s] for s in resumed} == resumed
+
+
+def test_torch_dist_checkpoint_resumes_in_other_layouts(tmp_path):
+    """Saved at tp2 x pp2 (distributed optimizer, async), resumed at tp1 x pp4 and at tp4 x pp1:
+    every layout's losses are the single-rank run's within LAYOUT_RTOL (only the order of fp32
+    reductions differs), before and after the change of layout."""
+    ckpt = str(tmp_path / "ckpt")
+
+    def run(name, nproc, flags):
+        return run_case(Case(name, nproc, flags), tmp_path, ["--train-iters", "8"])
+
+    ref = run("reshard_ref", 1, ["--num-layers", "4"])
+    first = run("reshard_tp2_pp2", 4, "--num-layers 4 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
+                f"--use-distributed-optimizer --async-save --save {ckpt} --save-interval 4 --exit-interval 4".split())
+    assert sorted(first) == [1, 2, 3, 4]
+    for name, layout in [("pp4", "--pipeline-model-parallel-size 4"), ("tp4", "--tensor-model-parallel-size 4")]:
+        resumed = run(f"reshard_{name}", 4, f"--num-layers 4 {layout} --load {ckpt}".split())
+        assert sorted(resumed) == [5, 6, 7, 8], name
+        for step, loss in {**first, **resumed}.items():
+            assert abs(loss - ref[step]) <= LAYOUT_RTOL * ref[step], (name, step, loss, ref[step])
