@@ -26,8 +26,8 @@ UNSUPPORTED = {
     "--use-legacy-models": "only megatron-core models are supported",
     "--tp-comm-overlap": "TP communication overlap needs Transformer Engine userbuffers; not implemented",
     "--tp-comm-overlap-cfg": "TP communication overlap needs Transformer Engine userbuffers; not implemented",
-    "--overlap-param-gather": "param all-gather overlap is not implemented (--overlap-grad-reduce is)",
-    "--overlap-param-gather-with-optimizer-step": "param all-gather overlap is not implemented",
+    "--overlap-param-gather-with-optimizer-step": "the all-gather is overlapped with the next forward "
+                                                  "(--overlap-param-gather), not with the optimizer step",
     "--use-tp-pp-dp-mapping": "the tp-pp-dp rank order is not implemented (ranks are ordered tp, cp, dp, pp)",
     "--decoupled-lr": "a separate learning rate for the embedding and output layer is not implemented",
     "--decoupled-min-lr": "a separate learning rate for the embedding and output layer is not implemented",
@@ -157,6 +157,9 @@ def _parallel(p):
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="with --use-distributed-optimizer: gather the updated parameters in the background, "
+                        "each module's forward waiting only for its own")
     g.add_argument("--ddp-bucket-size", type=int, default=None,
                    help="elements per gradient bucket (default: one bucket per 40M elements)")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,

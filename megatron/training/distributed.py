@@ -12,7 +12,10 @@ counterpart with the same contract:
   the optimizer is sharded (ZeRO-1, --use-distributed-optimizer), in which case each rank owns the
   same 1/dp slice of every bucket and the updated parameters are all-gathered back;
 - with --overlap-grad-reduce a bucket's reduction starts asynchronously as soon as the last
-  micro-batch's backward has produced all its gradients.
+  micro-batch's backward has produced all its gradients;
+- with --overlap-param-gather the sharded optimizer's all-gather of updated parameters runs in
+  the background after the step, and a module's forward waits only for the buckets holding its
+  own parameters (a forward pre-hook), so the gathers overlap the next forward.
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ class Bucket:
     end: int
     pending: set = field(default_factory=set)
     handle: Optional[object] = None
+    gather: Optional[tuple] = None  # (work, its input) of an all-gather of params still in flight
 
     def shard_range(self, shard_rank: int, shards: int):
         size = (self.end - self.start) // shards
@@ -168,14 +172,39 @@ class GradBuffer:
                 if start < end:
                     yield p, start, end
 
-    def all_gather_params(self) -> None:
-        """After a sharded step: every rank's updated slice to everybody."""
-        self.gather_flat(self.param_data)
+    def all_gather_params(self, async_op: bool = False) -> None:
+        """After a sharded step: every rank's updated slice to everybody; in the background with
+        async_op (see wait_params)."""
+        self.gather_flat(self.param_data, async_op)
 
-    def gather_flat(self, flat: torch.Tensor) -> None:
+    def gather_flat(self, flat: torch.Tensor, async_op: bool = False) -> None:
         """In place: each rank's owned slices of `flat` (laid out like the buffers) to every shard."""
         if self.shards == 1:
             return
         for bucket in self.buckets:
             lo, hi = bucket.shard_range(self.dp_rank, self.shards)
-            dist.all_gather_into_tensor(flat[bucket.start : bucket.end], flat[lo:hi].clone(), group=self.dp_group)
+            mine = flat[lo:hi].clone()  # the output range contains the input range
+            work = dist.all_gather_into_tensor(flat[bucket.start : bucket.end], mine, group=self.dp_group,
+                                               async_op=async_op)
+            if async_op:
+                bucket.gather = (work, mine)  # the input lives until the gather is done
+
+    def wait_params(self, buckets=None) -> None:
+        """The parameters of `buckets` (all by default) are whole again."""
+        for bucket in self.buckets if buckets is None else buckets:
+            if bucket.gather is not None:
+                bucket.gather[0].wait()
+                bucket.gather = None
+
+    def wait_params_before_forward(self, modules) -> list:
+        """--overlap-param-gather: each module's forward first waits for the buckets of the
+        parameters it owns directly. Returns the hook handles."""
+        hooks = []
+        for module in modules:
+            for sub in module.modules():
+                buckets = {id(self.bucket_of[p]): self.bucket_of[p]
+                           for p in sub.parameters(recurse=False) if p in self.bucket_of}
+                if buckets:
+                    mine = list(buckets.values())
+                    hooks.append(sub.register_forward_pre_hook(lambda *_, b=mine: self.wait_params(b)))
+        return hooks

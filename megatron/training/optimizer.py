@@ -41,6 +41,7 @@ class DistributedAdam:
         self.buffer, self.pgs = buffer, pgs
         self.clip_grad = args.clip_grad
         self.check_nan = args.check_for_nan_in_loss_and_grad
+        self.overlap_param_gather = args.overlap_param_gather  # the forward pre-hooks wait (GradBuffer)
         names = {p: n for n, p in named_params}
         self.fp32_model = buffer.param_data.dtype == torch.float32
         self.main_data = buffer.param_data if self.fp32_model else self._main_copy()
@@ -119,7 +120,7 @@ class DistributedAdam:
         if not self.fp32_model:
             for lo, hi in self.buffer.owned_ranges():
                 self.buffer.param_data[lo:hi].copy_(self.main_data[lo:hi])
-        self.buffer.all_gather_params()
+        self.buffer.all_gather_params(async_op=self.overlap_param_gather)
         return True, grad_norm, num_zeros
 
     def reload_model_params(self) -> None:

@@ -133,6 +133,8 @@ def setup(args, pgs, model_provider):
     buffer = GradBuffer(params, pgs.dp_cp, shard=args.use_distributed_optimizer, overlap=args.overlap_grad_reduce,
                         bucket_elements=args.ddp_bucket_size, average=not args.calculate_per_token_loss,
                         deferred=tied)
+    if args.overlap_param_gather:
+        buffer.wait_params_before_forward(chunks)
     named = [item for m in unwrap(chunks) for item in m.named_parameters()]
     optimizer = DistributedAdam(named, buffer, pgs, args)
     config = get_model_config(chunks[0])
@@ -381,6 +383,7 @@ def write_timeline(directory: str, pipeline: Pipeline, pgs) -> None:
 
 def save_and_report(args, state, pgs):
     start = time.perf_counter()
+    state.optimizer.buffer.wait_params()  # --overlap-param-gather: the weights saved are whole
     if state.saver is None:  # --ckpt-format torch
         _report_saved(start, state.iteration, save_checkpoint(args, state, pgs))
         return

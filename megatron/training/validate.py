@@ -41,7 +41,7 @@ def validate_args(args: argparse.Namespace, world_size: int, errors: Sequence[st
     with every problem found, `errors` (the parser's) first, in one line."""
     errors = list(errors)
     for check in (_required, _model_args, partial(_parallel_args, world_size=world_size), _batch_args,
-                  _pipeline_args, _schedule_args, _recompute_args, _memo_args, _data_args, _checkpoint_args):
+                  _overlap_args, _pipeline_args, _schedule_args, _recompute_args, _memo_args, _data_args, _checkpoint_args):
         try:
             check(args)
         except ArgsError as err:  # the first problem of each group of flags
@@ -176,6 +176,14 @@ def _batch_args(args):
              f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
              f"{mbs} x data-parallel size {dp} = {mbs * dp}")
     args.num_microbatches = args.global_batch_size // (mbs * dp)
+
+
+def _overlap_args(args):
+    # Megatron's rules: the gather exists only with the sharded optimizer, and is overlapped only
+    # together with the reduction.
+    if args.overlap_param_gather:
+        _require(args.use_distributed_optimizer, "--overlap-param-gather needs --use-distributed-optimizer")
+        _require(args.overlap_grad_reduce, "--overlap-param-gather needs --overlap-grad-reduce")
 
 
 def _pipeline_args(args):

@@ -11,7 +11,7 @@ from megatron.training.optimizer import DistributedAdam, no_weight_decay
 from tests.unit_tests.dist_utils import grid_groups, run_ranks
 
 OPT_ARGS = SimpleNamespace(lr=1e-2, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, weight_decay=0.1,
-                           clip_grad=0.5, check_for_nan_in_loss_and_grad=True)
+                           clip_grad=0.5, check_for_nan_in_loss_and_grad=True, overlap_param_gather=False)
 
 
 class Tiny(torch.nn.Module):
@@ -66,19 +66,26 @@ def ddp_training(model, buffer, opt, steps, start=0):
     return norms, zeros
 
 
-def _build(shard, overlap, bucket, dtype=torch.float32):
+def _build(shard, overlap, bucket, dtype=torch.float32, gather=False):
     pgs = grid_groups()
     torch.manual_seed(0)
     model = Tiny().to(dtype)
     buffer = GradBuffer(list(model.parameters()), pgs.dp, shard=shard, overlap=overlap, bucket_elements=bucket)
-    return pgs, model, buffer, DistributedAdam(model.named_parameters(), buffer, pgs, OPT_ARGS)
+    if gather:
+        buffer.wait_params_before_forward([model])
+    args = SimpleNamespace(**{**vars(OPT_ARGS), "overlap_param_gather": gather})
+    return pgs, model, buffer, DistributedAdam(model.named_parameters(), buffer, pgs, args)
 
 
-def _check_against_reference(shard, overlap, bucket):
-    pgs, model, buffer, opt = _build(shard, overlap, bucket)
+def _check_against_reference(shard, overlap, bucket, gather=False):
+    pgs, model, buffer, opt = _build(shard, overlap, bucket, gather=gather)
     assert buffer.shards == (2 if shard else 1)
     assert len(buffer.buckets) == (1 if bucket > 1000 else len(buffer.buckets)) and len(buffer.buckets) >= 1
     norms, zeros = ddp_training(model, buffer, opt, steps=4)
+    if gather:  # the last step's gathers are still in flight: nothing has run a forward since
+        assert len(buffer.buckets) > 1 and all(b.gather is not None for b in buffer.buckets)
+        model(torch.zeros(1, 8))  # the forward pre-hooks, and nothing else, wait for them
+        assert all(b.gather is None for b in buffer.buckets)
     ref, ref_norms = reference_training(steps=4)
     # fp32: the two paths sum the same terms in a different order (per-rank halves, then the
     # all-reduce); Adam divides by sqrt(v) so relative gradient rounding (~1e-7) moves parameters by
@@ -90,11 +97,14 @@ def _check_against_reference(shard, overlap, bucket):
     assert all(z >= 3 for z in zeros)  # the unused parameter's 3 zero gradients
 
 
-@pytest.mark.parametrize("shard, overlap, bucket", [
-    (False, False, 10**8), (True, False, 10**8), (False, True, 50), (True, True, 50),
-], ids=["allreduce", "distopt", "overlap-buckets", "distopt-overlap-buckets"])
-def test_two_ranks_match_full_batch_adamw(shard, overlap, bucket):
-    run_ranks(_check_against_reference, 2, shard, overlap, bucket)
+@pytest.mark.parametrize("shard, overlap, bucket, gather", [
+    (False, False, 10**8, False), (True, False, 10**8, False), (False, True, 50, False), (True, True, 50, False),
+    (True, True, 50, True),
+], ids=["allreduce", "distopt", "overlap-buckets", "distopt-overlap-buckets", "distopt-overlap-param-gather"])
+def test_two_ranks_match_full_batch_adamw(shard, overlap, bucket, gather):
+    """With --overlap-param-gather each step's forward first waits, per module, for the gathers
+    of its own buckets: the same parameters as gathering at once."""
+    run_ranks(_check_against_reference, 2, shard, overlap, bucket, gather)
 
 
 def _check_checkpoint_round_trip(shard, dtype):
