@@ -10,6 +10,8 @@ ranks (LoongTrain section 4.3): "head-first" puts a head-parallel group on adjac
 node), "context-first" puts a ring there. The ring is cut into inner rings of W consecutive ring
 positions; the outer rings join the ranks at the same inner position (Double-Ring-Attention).
 
+Megatron's --use-tp-pp-dp-mapping swaps the two outer axes (order "tp-cp-pp-dp": pipeline stages
+adjacent, data-parallel replicas outermost); megatron-core is initialised with the same order.
 Everything here except `build_process_groups` is pure arithmetic, tested without processes.
 """
 from __future__ import annotations
@@ -21,6 +23,8 @@ from typing import Dict, List, Optional, Tuple
 import torch.distributed as dist
 
 PLACEMENTS = ("head-first", "context-first")
+# Axis orders from the innermost, as megatron-core spells them (ep = 1 here).
+ORDERS = {"tp-cp-dp-pp": "tp-cp-ep-dp-pp", "tp-cp-pp-dp": "tp-cp-ep-pp-dp"}
 # Coordinates of a rank, innermost axis first.
 AXES = ("tp", "hp", "ring", "dp", "pp")
 
@@ -40,6 +44,7 @@ class RankGrid:
     hp: int = 1
     inner_ring: Optional[int] = None
     placement: str = "head-first"
+    order: str = "tp-cp-dp-pp"
 
     def __post_init__(self):
         self._check()
@@ -81,6 +86,8 @@ class RankGrid:
                 f"inner ring size {self.inner_ring} does not divide the ring size {self.ring} "
                 f"(context parallel {self.cp} / head-parallel {self.hp})"
             )
+        if self.order not in ORDERS:
+            raise GridError(f"order must be one of {tuple(ORDERS)}, got {self.order!r}")
         if self.placement not in PLACEMENTS:
             raise GridError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
 
@@ -93,14 +100,18 @@ class RankGrid:
 
     def rank_of(self, tp: int = 0, hp: int = 0, ring: int = 0, dp: int = 0, pp: int = 0) -> int:
         cp_i = self._cp_index(hp, ring)
-        return tp + self.tp * (cp_i + self.cp * (dp + self.dp * pp))
+        outer = dp + self.dp * pp if self.order == "tp-cp-dp-pp" else pp + self.pp * dp
+        return tp + self.tp * (cp_i + self.cp * outer)
 
     def coords(self, rank: int) -> Dict[str, int]:
         if not 0 <= rank < self.world_size:
             raise GridError(f"rank {rank} outside world of size {self.world_size}")
         tp_i, rest = rank % self.tp, rank // self.tp
         cp_i, rest = rest % self.cp, rest // self.cp
-        dp_i, pp_i = rest % self.dp, rest // self.dp
+        if self.order == "tp-cp-dp-pp":
+            dp_i, pp_i = rest % self.dp, rest // self.dp
+        else:
+            pp_i, dp_i = rest % self.pp, rest // self.pp
         if self.placement == "head-first":
             hp_i, ring_i = cp_i % self.hp, cp_i // self.hp
         else:
@@ -160,7 +171,7 @@ class RankGrid:
     def describe(self) -> str:
         return (
             f"world {self.world_size} = tp {self.tp} x cp {self.cp} (hp {self.hp} x ring {self.ring}, "
-            f"inner ring {self.inner}, {self.placement}) x dp {self.dp} x pp {self.pp}"
+            f"inner ring {self.inner}, {self.placement}) x dp {self.dp} x pp {self.pp}, order {self.order}"
         )
 
 
@@ -202,7 +213,7 @@ def build_process_groups(grid: RankGrid) -> ProcessGroups:
         tensor_model_parallel_size=grid.tp,
         pipeline_model_parallel_size=grid.pp,
         context_parallel_size=grid.cp,
-        order="tp-cp-ep-dp-pp",
+        order=ORDERS[grid.order],
         create_gloo_process_groups=False,
     )
     pgs = ProcessGroups(grid=grid, rank=rank)

@@ -28,7 +28,6 @@ UNSUPPORTED = {
     "--tp-comm-overlap-cfg": "TP communication overlap needs Transformer Engine userbuffers; not implemented",
     "--overlap-param-gather-with-optimizer-step": "the all-gather is overlapped with the next forward "
                                                   "(--overlap-param-gather), not with the optimizer step",
-    "--use-tp-pp-dp-mapping": "the tp-pp-dp rank order is not implemented (ranks are ordered tp, cp, dp, pp)",
     "--decoupled-lr": "a separate learning rate for the embedding and output layer is not implemented",
     "--decoupled-min-lr": "a separate learning rate for the embedding and output layer is not implemented",
     "--qk-layernorm": "query/key layernorm is not implemented",
@@ -157,6 +156,8 @@ def _parallel(p):
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--use-tp-pp-dp-mapping", action="store_true",
+                   help="rank order tp, cp, pp, dp (pipeline stages on nearer ranks) instead of tp, cp, dp, pp")
     g.add_argument("--overlap-param-gather", action="store_true",
                    help="with --use-distributed-optimizer: gather the updated parameters in the background, "
                         "each module's forward waiting only for its own")

@@ -53,7 +53,8 @@ def initialize_distributed(args) -> ProcessGroups:
     )
     grid = RankGrid(world_size=env.world_size, tp=args.tensor_model_parallel_size,
                     pp=args.pipeline_model_parallel_size, cp=args.context_parallel_size,
-                    hp=args.head_parallel_size, inner_ring=args.cp_inner_ring_size, placement=args.cp_placement)
+                    hp=args.head_parallel_size, inner_ring=args.cp_inner_ring_size, placement=args.cp_placement,
+                    order=rank_order(args))
     pgs = build_process_groups(grid)
     # Megatron: the same seed on every tp rank of a stage, a different one per pipeline stage.
     seed_everything(args.seed + 100 * pgs.index("pp"), pgs.index("tp"), device_of(args))
@@ -75,6 +76,10 @@ def _deterministic(args):
     if args.device_type == "cuda":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         os.environ.setdefault("NCCL_ALGO", "Ring")  # tree/NVLS reductions change the summation order
+
+
+def rank_order(args) -> str:
+    return "tp-cp-pp-dp" if args.use_tp_pp_dp_mapping else "tp-cp-dp-pp"
 
 
 def device_of(args) -> torch.device:

@@ -54,7 +54,7 @@ def init_single_rank_world() -> None:
     dist.init_process_group("gloo", rank=0, world_size=1)
 
 
-def grid_groups(tp=1, pp=1, cp=1, hp=1, inner_ring=None, placement="head-first"):
+def grid_groups(tp=1, pp=1, cp=1, hp=1, inner_ring=None, placement="head-first", order="tp-cp-dp-pp"):
     """Every rank: build the grid of the current world and its groups."""
     from megatron.core import parallel_state as mpu
     from megatron.longseq.parallel_state import RankGrid, build_process_groups
@@ -62,5 +62,5 @@ def grid_groups(tp=1, pp=1, cp=1, hp=1, inner_ring=None, placement="head-first")
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
     grid = RankGrid(world_size=dist.get_world_size(), tp=tp, pp=pp, cp=cp, hp=hp,
-                    inner_ring=inner_ring, placement=placement)
+                    inner_ring=inner_ring, placement=placement, order=order)
     return build_process_groups(grid)

@@ -17,6 +17,7 @@ def _partitions(groups, world):
     dict(world_size=16, tp=2, cp=4, hp=2),
     dict(world_size=16, cp=8, hp=2, inner_ring=2, placement="context-first"),
     dict(world_size=24, tp=2, cp=4, hp=4, pp=3),
+    dict(world_size=24, tp=2, cp=2, pp=3, order="tp-cp-pp-dp"),
 ])
 def test_coordinates_round_trip_and_groups_partition_the_world(kw):
     grid = RankGrid(**kw)
@@ -43,6 +44,14 @@ def test_megatron_order_tp_innermost_then_cp_dp_pp():
     assert grid.groups_along(("pp",))[0] == [0, 8]  # pp outermost
 
 
+def test_tp_pp_dp_mapping_puts_pipeline_stages_inside_data_parallel_replicas():
+    grid = RankGrid(world_size=16, tp=2, cp=2, pp=2, order="tp-cp-pp-dp")
+    assert grid.groups_along(("tp",))[0] == [0, 1]
+    assert grid.groups_along(("hp", "ring"))[0] == [0, 2]
+    assert grid.groups_along(("pp",))[0] == [0, 4]  # pp stride tp*cp
+    assert grid.groups_along(("dp",))[0] == [0, 8]  # dp outermost
+
+
 def test_placement_puts_the_chosen_group_on_adjacent_ranks():
     head_first = RankGrid(world_size=8, cp=8, hp=2, placement="head-first")
     assert head_first.groups_along(("hp",))[0] == [0, 1]
@@ -66,6 +75,7 @@ def test_double_ring_inner_and_outer_rings():
     (dict(world_size=8, cp=4, hp=3), "context parallel size 4 is not divisible by the head-parallel size 3"),
     (dict(world_size=8, cp=8, hp=2, inner_ring=3), "inner ring size 3 does not divide the ring size 4"),
     (dict(world_size=4, placement="sideways"), "placement must be one of"),
+    (dict(world_size=4, order="pp-dp-tp-cp"), "order must be one of"),
     (dict(world_size=4, tp=0), "tp must be >= 1"),
 ])
 def test_bad_grids_name_the_numbers(kw, message):
@@ -80,6 +90,10 @@ def _check_groups_match_megatron():
     assert pgs.members["dp"] == [rank % 2, rank % 2 + 2]
     assert pgs.index("tp") == rank % 2 and pgs.index("dp") == rank // 2
     assert dist.get_world_size(pgs.tp) == 2 and dist.get_world_size(pgs.dp_cp) == 2
+    # --use-tp-pp-dp-mapping: megatron-core initialised with "tp-cp-ep-pp-dp" builds the same groups
+    pgs = grid_groups(pp=2, order="tp-cp-pp-dp")
+    assert pgs.members["pp"] == [rank - rank % 2, rank - rank % 2 + 1]
+    assert pgs.members["dp"] == [rank % 2, rank % 2 + 2]
 
 
 def test_process_groups_agree_with_megatron_core_on_4_ranks():
