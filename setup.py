@@ -22,6 +22,7 @@ setup(
         "gurobipy",
         "ortools",
         "tensorboard",
+        "psutil",  # megatron-core's torch_dist checkpoint writer measures its worker processes with it
         # HuggingFaceTokenizer and GPT2BPETokenizer load local files through transformers.
         "transformers",
         "tokenizers",
