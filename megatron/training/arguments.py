@@ -22,7 +22,6 @@ class _Parser(argparse.ArgumentParser):
 
 # Megatron flags this trainer does not implement (yet), with the reason the user sees.
 UNSUPPORTED = {
-    "--fp16": "fp16 with loss scaling is not implemented; use --bf16",
     "--use-legacy-models": "only megatron-core models are supported",
     "--tp-comm-overlap": "TP communication overlap needs Transformer Engine userbuffers; not implemented",
     "--tp-comm-overlap-cfg": "TP communication overlap needs Transformer Engine userbuffers; not implemented",
@@ -220,6 +219,16 @@ def _training(p):
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true",
+                   help="fp16 model, fp32 main params, loss scaling (an overflowing step is skipped)")
+    g.add_argument("--loss-scale", type=float, default=None,
+                   help="--fp16: a fixed loss scale (default: dynamic)")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32, help="--fp16: the dynamic scale's start")
+    g.add_argument("--min-loss-scale", type=float, default=1.0, help="--fp16: the dynamic scale's floor")
+    g.add_argument("--loss-scale-window", type=int, default=1000,
+                   help="--fp16: clean steps in a row before the dynamic scale doubles")
+    g.add_argument("--hysteresis", type=int, default=2,
+                   help="--fp16: overflows tolerated before the dynamic scale halves")
     g.add_argument("--calculate-per-token-loss", action="store_true")
     g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
                    dest="check_for_nan_in_loss_and_grad")

@@ -124,6 +124,8 @@ def _common(args, state, pgs) -> dict:
     }
     if not args.no_save_optim:
         common["optimizer_steps"] = state.optimizer.adam_steps()
+        if state.optimizer.scaler is not None:
+            common["grad_scaler"] = state.optimizer.scaler.state_dict()
     return common
 
 
@@ -236,6 +238,8 @@ def load_checkpoint(args, state, pgs, path: str) -> None:
         model.load_state_dict(loaded[key], strict=args.dist_ckpt_strictness != "ignore_all")
     if load_optim:
         state.optimizer.load_model_space_state(flats, common["optimizer_steps"])
+        if state.optimizer.scaler is not None and "grad_scaler" in common:
+            state.optimizer.scaler.load_state_dict(common["grad_scaler"])
     else:
         state.optimizer.reload_model_params()
     load_schedule(state.scheduler, common["opt_param_scheduler"])

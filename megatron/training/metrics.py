@@ -46,7 +46,8 @@ class IntervalStats:
         for key, value in loss_dict.items():
             if not math.isfinite(value):
                 self.nan += 1
-            self.losses[key] = self.losses.get(key, 0.0) + value
+            if not skipped:  # the interval's mean is over the steps that updated the model (Megatron)
+                self.losses[key] = self.losses.get(key, 0.0) + value
 
     def means(self) -> Dict[str, float]:
         n = max(self.iterations - self.skipped, 1)
@@ -54,7 +55,7 @@ class IntervalStats:
 
 
 def format_iteration_line(*, iteration, train_iters, consumed_samples, elapsed_ms, lr, global_batch_size,
-                          losses, grad_norm, num_zeros, params_norm, skipped, nan, tflops=None,
+                          losses, grad_norm, num_zeros, params_norm, skipped, nan, loss_scale=1.0, tflops=None,
                           tokens_per_gpu=None, mfu=None) -> str:
     """Megatron's training-log line, with tokens/s/GPU and MFU when throughput is logged."""
     parts = [
@@ -72,7 +73,7 @@ def format_iteration_line(*, iteration, train_iters, consumed_samples, elapsed_m
     parts.append(f" learning rate: {lr:.6E}")
     parts.append(f" global batch size: {global_batch_size:5d}")
     parts.extend(f" {key}: {value:.6E}" for key, value in losses.items())
-    parts.append(" loss scale: 1.0")  # bf16 and fp32 train without loss scaling
+    parts.append(f" loss scale: {loss_scale:.1f}")  # 1.0: bf16 and fp32 train without loss scaling
     if grad_norm is not None:
         parts.append(f" grad norm: {grad_norm:.3f}")
     if num_zeros is not None:

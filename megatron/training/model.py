@@ -18,6 +18,12 @@ from megatron.longseq.recompute import apply_full_recompute
 from megatron.training.init import initialize_parameters
 
 
+def params_dtype(args) -> torch.dtype:
+    """The model's dtype: --bf16 or --fp16 (Megatron's mixed precision: fp32 main params in the
+    optimizer), else fp32."""
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+
+
 def fusions(args) -> dict:
     """megatron-core's fused ops: on GPU as Megatron enables them (each --no-*-fusion flag turns
     one off), on CPU none -- they are CUDA extensions or torch.compile'd kernels meant for GPU."""
@@ -67,8 +73,9 @@ def transformer_config(args) -> LongSeqConfig:
         context_parallel_size=args.context_parallel_size,
         sequence_parallel=args.sequence_parallel,
         bf16=args.bf16,
-        params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
-        pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        fp16=args.fp16,
+        params_dtype=params_dtype(args),
+        pipeline_dtype=params_dtype(args),
         # Parameters are allocated on CPU; init.py then overwrites megatron-core's values with the
         # same model for every layout. megatron-core's own pass must stay on: it is what tags
         # weights with their tensor-parallel partition (dim, stride), which init.py and the
@@ -124,7 +131,7 @@ def build_model_chunks(args, pgs, device: torch.device) -> List[torch.nn.Module]
         if args.recompute_granularity == "full":
             apply_full_recompute(model.decoder.layers, args.recompute_method, args.recompute_num_layers)
         model.to(device)
-    return [Float16Module(config, m) if args.bf16 else m for m in chunks]
+    return [Float16Module(config, m) if args.bf16 or args.fp16 else m for m in chunks]
 
 
 def build_gpt_model(args, pgs, device: torch.device):

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron.training.distributed import GradBuffer
+from megatron.training.loss_scaler import LossScaler
 
 
 def no_weight_decay(name: str, param: torch.Tensor) -> bool:
@@ -37,8 +38,8 @@ MODEL_SPACE = ("fp32_param", "exp_avg", "exp_avg_sq")
 
 
 class DistributedAdam:
-    def __init__(self, named_params, buffer: GradBuffer, pgs, args):
-        self.buffer, self.pgs = buffer, pgs
+    def __init__(self, named_params, buffer: GradBuffer, pgs, args, scaler: Optional[LossScaler] = None):
+        self.buffer, self.pgs, self.scaler = buffer, pgs, scaler
         self.clip_grad = args.clip_grad
         self.check_nan = args.check_for_nan_in_loss_and_grad
         self.overlap_param_gather = args.overlap_param_gather  # the forward pre-hooks wait (GradBuffer)
@@ -103,10 +104,33 @@ class DistributedAdam:
                 zeros += (f.main.grad == 0).sum()
         return int(self._global_sum(zeros).item())
 
+    # ---- fp16 loss scaling ----------------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scaler.scale
+
+    def _unscale_found_inf(self) -> bool:
+        """Divide the main gradients by the loss scale; True if any rank holds a non-finite one."""
+        inv = 1.0 / self.scaler.scale
+        bad = torch.zeros((), dtype=torch.float32, device=self.main_data.device)
+        for f in self.fragments:
+            f.main.grad.mul_(inv)
+            bad += (~torch.isfinite(f.main.grad)).sum()
+        return self._global_sum(bad).item() > 0
+
     # ---- step ------------------------------------------------------------------------------------
     def step(self, count_zeros: bool = False):
         """Clip, update the owned main params, publish them to the model. Returns
-        (update_successful, grad_norm, num_zeros) like megatron-core's optimizers."""
+        (update_successful, grad_norm, num_zeros) like megatron-core's optimizers; an fp16 step
+        whose gradients overflowed changes nothing but the loss scale: (False, None, None)."""
+        if self.scaler is not None:
+            found_inf = self._unscale_found_inf()
+            self.scaler.update(found_inf)
+            if found_inf:
+                return False, None, None
         grad_norm = self.grad_norm()
         if self.check_nan and not math.isfinite(grad_norm):
             raise FloatingPointError(f"grad norm is {grad_norm}: NaN or Inf in the gradients")
@@ -138,6 +162,8 @@ class DistributedAdam:
 
     def state_dict(self) -> dict:
         state = {"optimizer": self.optimizer.state_dict(), "layout": self.layout()}
+        if self.scaler is not None:
+            state["grad_scaler"] = self.scaler.state_dict()
         if not self.fp32_model:
             state["main_params"] = [self.main_data[lo:hi].clone() for lo, hi in self.buffer.owned_ranges()]
         return state
@@ -184,6 +210,8 @@ class DistributedAdam:
                 f"data-parallel size (or load with --no-load-optim)"
             )
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler is not None and "grad_scaler" in state:
+            self.scaler.load_state_dict(state["grad_scaler"])
         # load_state_dict rebuilt the param groups from ours; the fragments stay the same objects.
         if "main_params" in state:
             for (lo, hi), saved in zip(self.buffer.owned_ranges(), state["main_params"]):

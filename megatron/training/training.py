@@ -34,7 +34,8 @@ from megatron.training.metrics import (
     IntervalStats, TensorboardLogger, format_iteration_line, memory_line, print_rank_0, print_rank_last,
 )
 from megatron.training.memo_setup import setup_memo
-from megatron.training.model import unwrap
+from megatron.training.loss_scaler import loss_scaler
+from megatron.training.model import params_dtype, unwrap
 from megatron.training.optimizer import DistributedAdam
 from megatron.training.timers import Timers
 from megatron.training.tokenizer import build_tokenizer
@@ -136,8 +137,10 @@ def setup(args, pgs, model_provider):
     if args.overlap_param_gather:
         buffer.wait_params_before_forward(chunks)
     named = [item for m in unwrap(chunks) for item in m.named_parameters()]
-    optimizer = DistributedAdam(named, buffer, pgs, args)
+    optimizer = DistributedAdam(named, buffer, pgs, args, loss_scaler(args))
     config = get_model_config(chunks[0])
+    if optimizer.scaler is not None:  # megatron-core's hook: the schedule scales each loss it backprops
+        config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = buffer.no_sync
     config.finalize_model_grads_func = partial(finalize_model_grads, buffer, pgs)
     return TrainState(chunks, optimizer, build_scheduler(args, optimizer), build_pipeline(args, pgs))
@@ -173,15 +176,16 @@ def train_step(forward_step_func, data_iterator, state: TrainState, args, pgs, t
         )
     timers("forward-backward").stop()
     timers("optimizer", 1).start()
-    _, grad_norm, num_zeros = state.optimizer.step(count_zeros=args.log_num_zeros_in_grad)
+    updated, grad_norm, num_zeros = state.optimizer.step(count_zeros=args.log_num_zeros_in_grad)
     timers("optimizer").stop()
     if state.memo is not None and state.memo.allocator is not None:
         state.memo.allocator.settle()  # the iteration's frees are safe to reuse from here
-    state.scheduler.step(increment=args.global_batch_size)
+    if updated:  # an fp16 step skipped on overflow leaves the schedule where it was (Megatron)
+        state.scheduler.step(increment=args.global_batch_size)
     losses = reduce_reports(reports, pgs, state.optimizer.main_data.device)
     if args.check_for_nan_in_loss_and_grad and any(not math.isfinite(v) for v in losses.values()):
         raise FloatingPointError(f"loss is {losses} at iteration {state.iteration + 1}")
-    return losses, grad_norm, num_zeros
+    return losses, grad_norm, num_zeros, not updated
 
 
 def _train_mode(chunks, training: bool) -> None:
@@ -238,21 +242,22 @@ class _Reporter:
         self.peak = args.peak_tflops if args.peak_tflops is not None else default_peak_tflops()
         self.last = time.perf_counter()
 
-    def iteration(self, state: TrainState, losses, grad_norm, num_zeros):
+    def iteration(self, state: TrainState, losses, grad_norm, num_zeros, skipped: bool):
         args = self.args
-        self.stats.add(losses, skipped=False)
+        self.stats.add(losses, skipped=skipped)
+        loss_scale = state.optimizer.loss_scale
         lr = state.optimizer.param_groups[0]["lr"]
         params_norm = state.optimizer.params_norm() if args.log_params_norm else None
         if state.iteration % args.tensorboard_log_interval == 0:
-            values = {"learning-rate": lr, "batch-size": args.global_batch_size, "loss-scale": 1.0,
+            values = {"learning-rate": lr, "batch-size": args.global_batch_size, "loss-scale": loss_scale,
                       "grad-norm": grad_norm, "num-zeros": num_zeros, "params-norm": params_norm, **losses}
             self.tb.scalars(values, state.iteration, state.consumed_train_samples)
             if args.log_memory_to_tensorboard:
                 self.tb.memory(state.iteration)
         if state.iteration % args.log_interval == 0:
-            self._log_line(state, lr, grad_norm, num_zeros, params_norm)
+            self._log_line(state, lr, grad_norm, num_zeros, params_norm, loss_scale)
 
-    def _log_line(self, state, lr, grad_norm, num_zeros, params_norm):
+    def _log_line(self, state, lr, grad_norm, num_zeros, params_norm, loss_scale):
         args, now = self.args, time.perf_counter()
         elapsed = (now - self.last) / self.stats.iterations
         self.last = now
@@ -267,7 +272,8 @@ class _Reporter:
             iteration=state.iteration, train_iters=args.train_iters,
             consumed_samples=state.consumed_train_samples, elapsed_ms=elapsed * 1000.0, lr=lr,
             global_batch_size=args.global_batch_size, losses=self.stats.means(), grad_norm=grad_norm,
-            num_zeros=num_zeros, params_norm=params_norm, skipped=self.stats.skipped, nan=self.stats.nan, **extra,
+            num_zeros=num_zeros, params_norm=params_norm, skipped=self.stats.skipped, nan=self.stats.nan,
+            loss_scale=loss_scale, **extra,
         ))
         self.stats = IntervalStats()
         if not self.memory_reported:
@@ -311,9 +317,8 @@ class _Reporter:
 def check_attention_kernel(args) -> None:
     """One line now, not at the first forward, when --attention-backend names a kernel that cannot
     run here (flash-attn of another interface, cuDNN attention under --deterministic-mode, ...)."""
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
     try:
-        choose_kernel(args.attention_backend, KernelEnv.probe(device_of(args), dtype, args.kv_channels))
+        choose_kernel(args.attention_backend, KernelEnv.probe(device_of(args), params_dtype(args), args.kv_channels))
     except ValueError as err:
         raise ArgsError(f"--attention-backend {args.attention_backend}: {err}") from None
 
@@ -346,13 +351,13 @@ def train(forward_step_func, train_iter, valid_iter, state: TrainState, args, pg
     while state.iteration < args.train_iters:
         record = bool(args.pipeline_timeline) and state.iteration + 1 == args.train_iters
         state.pipeline.record_timeline = record
-        losses, grad_norm, num_zeros = train_step(forward_step_func, train_iter, state, args, pgs, timers)
+        losses, grad_norm, num_zeros, skipped = train_step(forward_step_func, train_iter, state, args, pgs, timers)
         if record:
             write_timeline(args.pipeline_timeline, state.pipeline, pgs)
         state.iteration += 1
         state.consumed_train_samples += args.global_batch_size
         state.flops_so_far += reporter.flops_per_iter
-        reporter.iteration(state, losses, grad_norm, num_zeros)
+        reporter.iteration(state, losses, grad_norm, num_zeros, skipped)
         if state.saver is not None:
             state.saver.finish(blocking=False)  # publish a background save once every rank has written it
         _collect_garbage(args, state.iteration)

@@ -40,7 +40,7 @@ def validate_args(args: argparse.Namespace, world_size: int, errors: Sequence[st
     """Check `args` for a run of `world_size` ranks and fill in derived values. Raises ArgsError
     with every problem found, `errors` (the parser's) first, in one line."""
     errors = list(errors)
-    for check in (_required, _model_args, partial(_parallel_args, world_size=world_size), _batch_args,
+    for check in (_required, _model_args, partial(_parallel_args, world_size=world_size), _batch_args, _precision_args,
                   _overlap_args, _pipeline_args, _schedule_args, _recompute_args, _memo_args, _data_args, _checkpoint_args):
         try:
             check(args)
@@ -176,6 +176,16 @@ def _batch_args(args):
              f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
              f"{mbs} x data-parallel size {dp} = {mbs * dp}")
     args.num_microbatches = args.global_batch_size // (mbs * dp)
+
+
+def _precision_args(args):
+    _require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are mutually exclusive")
+    if args.fp16:
+        _require(args.loss_scale is None or args.loss_scale > 0, f"--loss-scale must be positive, got {args.loss_scale}")
+        _require(args.initial_loss_scale >= args.min_loss_scale > 0,
+                 f"need --initial-loss-scale {args.initial_loss_scale:g} >= --min-loss-scale {args.min_loss_scale:g} > 0")
+        _require(args.loss_scale_window > 0 and args.hysteresis > 0,
+                 "--loss-scale-window and --hysteresis must be positive")
 
 
 def _overlap_args(args):

@@ -195,7 +195,9 @@ class _Runner:
         self.ready = time.time()
         with no_sync():
             if grad is None:
-                torch.autograd.backward(self._loss_to_backprop(m, s))
+                loss = self._loss_to_backprop(m, s)
+                scale = self.config.grad_scale_func  # --fp16: the loss scale (megatron-core's hook)
+                torch.autograd.backward(scale(loss) if scale is not None else loss)
             else:
                 torch.autograd.backward(output, grad_tensors=grad)
         if vs > 0:
