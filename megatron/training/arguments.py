@@ -29,9 +29,7 @@ UNSUPPORTED = {
                                                   "(--overlap-param-gather), not with the optimizer step",
     "--decoupled-lr": "a separate learning rate for the embedding and output layer is not implemented",
     "--decoupled-min-lr": "a separate learning rate for the embedding and output layer is not implemented",
-    "--qk-layernorm": "query/key layernorm is not implemented",
-    "--apply-wd-to-qk-layernorm": "query/key layernorm is not implemented",
-    "--apply-layernorm-1p": "zero-centred layernorm (1 + gamma) is not implemented",
+    "--apply-wd-to-qk-layernorm": "weight decay is never applied to norm weights (1-D parameters)",
     "--rotary-interleaved": "interleaved rotary embedding is not implemented",
     "--squared-relu": "the squared-ReLU activation is not implemented",
     "--decoder-first-pipeline-num-layers": "uneven pipeline stages are not implemented",
@@ -54,7 +52,6 @@ UNSUPPORTED = {
     "--verify-integrity": "not implemented",
     "--error-injection-rate": "Megatron's rerun state machine is not implemented",
     "--error-injection-type": "Megatron's rerun state machine is not implemented",
-    "--test-mode": "not implemented",
     "--finetune": "not implemented yet",
 }
 
@@ -126,6 +123,13 @@ def _model(p):
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="norm weights hold gamma - 1 (initialised to 0); the norm scales by 1 + weight")
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="normalise queries and keys over the head dimension before attention")
+    g.add_argument("--test-mode", action="store_true",
+                   help="megatron-core's real-time check: with --qk-layernorm, the q/k norm weights must agree "
+                        "on every tp and dp rank at each forward")
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)

@@ -7,7 +7,7 @@ global name -- layer index as in the whole model, the last stage's copy of tied 
 as the first stage's -- with Megatron's rules, and each tensor-parallel rank keeps its partition:
   weights              N(0, init_method_std)
   linear_proj, fc2     N(0, init_method_std / sqrt(2 num_layers))   (Megatron's scaled init)
-  biases               0;  norm weights 1
+  biases               0;  norm weights 1 (0 when they hold gamma - 1: --apply-layernorm-1p)
 """
 from __future__ import annotations
 
@@ -31,11 +31,11 @@ def global_name(model, name: str) -> str:
     return name
 
 
-def _full_value(gname: str, shape, seed: int, std: float, num_layers: int) -> torch.Tensor:
+def _full_value(gname: str, shape, seed: int, std: float, num_layers: int, zero_centered: bool) -> torch.Tensor:
     if gname.endswith(".bias"):
         return torch.zeros(shape)
     if len(shape) == 1:  # LayerNorm / RMSNorm weights
-        return torch.ones(shape)
+        return torch.zeros(shape) if zero_centered else torch.ones(shape)
     generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(gname.encode())) % 2**63)
     scaled = gname.endswith("linear_proj.weight") or gname.endswith("linear_fc2.weight")
     sigma = std / math.sqrt(2.0 * num_layers) if scaled else std
@@ -60,5 +60,5 @@ def initialize_parameters(chunks, seed: int, std: float, num_layers: int, tp_ran
             shape = list(param.shape)
             if getattr(param, "tensor_model_parallel", False):
                 shape[param.partition_dim] *= tp
-            full = _full_value(gname, shape, seed, std, num_layers)
+            full = _full_value(gname, shape, seed, std, num_layers, getattr(param, "zero_centered_gamma", False))
             param.copy_(_partition(full, param, tp_rank, tp))

@@ -11,6 +11,8 @@ CASES = {
     "gqa-rope-swiglu-rms": ("--group-query-attention --num-query-groups 2 --position-embedding-type rope "
                             "--swiglu --normalization RMSNorm --untie-embeddings-and-output-weights "
                             "--disable-bias-linear"),
+    # q/k norms are shared by every head: with tp their gradient is a partial sum (tagged, summed below)
+    "qk-layernorm-1p": "--qk-layernorm --apply-layernorm-1p --position-embedding-type rope",
 }
 
 
@@ -38,6 +40,8 @@ def _tp_rank_check(extra, ref_path):
     model = tiny_gpt(args, pgs)  # parameter metadata (partition dims)
     for name, param in model.named_parameters():
         grad = grads[name]
+        if getattr(param, "sequence_parallel", False):  # what finalize_model_grads does
+            dist.all_reduce(grad, group=pgs.tp)
         if getattr(param, "tensor_model_parallel", False):
             shards = [torch.empty_like(grad) for _ in range(2)]
             dist.all_gather(shards, grad.contiguous(), group=pgs.tp)
@@ -74,3 +78,18 @@ def test_recompute_gives_identical_gradients_with_dropout(recompute):
     for name, grad in grads.items():
         # The same kernels run on the same inputs and dropout masks: bitwise equal.
         assert torch.equal(grad, ref_grads[name]), name
+
+
+def test_layernorm_1p_stores_gamma_minus_one_and_computes_the_same():
+    """--apply-layernorm-1p changes what the norm weights hold (gamma - 1, zero at start), not
+    the function: loss and gradients equal the plain norm's (1 + 0 is exact)."""
+    init_single_rank_world()
+    plain, centred = tiny_args(), tiny_args("--apply-layernorm-1p")
+    loss, grads = loss_and_grads(tiny_gpt(plain, grid_groups()), plain)
+    model = tiny_gpt(centred, grid_groups())
+    norm_weights = [p for n, p in model.named_parameters() if n.endswith("layernorm.weight")]
+    assert norm_weights and all(torch.equal(w, torch.zeros_like(w)) for w in norm_weights)
+    loss_1p, grads_1p = loss_and_grads(model, centred)
+    assert loss_1p == loss
+    for name, grad in grads.items():
+        assert torch.equal(grads_1p[name], grad), name

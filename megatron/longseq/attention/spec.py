@@ -9,7 +9,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.longseq.attention.context_parallel import ContextParallel
 from megatron.longseq.attention.core import LongSeqCoreAttention
-from megatron.longseq.norm import Norm
+from megatron.longseq.norm import Norm, QKNorm
 
 
 def gpt_block_spec(config, num_layers: int, transformer_impl: str = "local",
@@ -22,12 +22,15 @@ def gpt_block_spec(config, num_layers: int, transformer_impl: str = "local",
     if transformer_impl == "transformer_engine":
         from megatron.core.extensions.transformer_engine import TENorm
 
-        layer = get_gpt_layer_with_transformer_engine_spec()
+        layer = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
         final_norm = TENorm
     else:
-        layer = get_gpt_layer_local_spec(normalization=config.normalization)
+        layer = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm)
         layer.submodules.input_layernorm = Norm
         layer.submodules.pre_mlp_layernorm = Norm
+        if config.qk_layernorm:
+            layer.submodules.self_attention.submodules.q_layernorm = QKNorm
+            layer.submodules.self_attention.submodules.k_layernorm = QKNorm
         final_norm = Norm
     layer.submodules.self_attention.submodules.core_attention = ModuleSpec(
         module=LongSeqCoreAttention, params={"cp": cp if cp is not None else ContextParallel.local()})

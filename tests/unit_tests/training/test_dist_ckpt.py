@@ -6,10 +6,9 @@ import pytest
 import torch
 
 from megatron.training.arguments import STRICTNESS
-from megatron.training.checkpointing import TRACKER, read_tracker
+from megatron.training.checkpointing import read_tracker
 from megatron.training.dist_ckpt import CheckpointSaver, load_checkpoint
 from tests.unit_tests.training.test_checkpointing import make_state, train_one_step
-from tests.unit_tests.dist_utils import init_single_rank_world
 from tests.unit_tests.model_utils import lm_loss
 
 
