@@ -49,7 +49,6 @@ UNSUPPORTED = {
     "--defer-embedding-wgrad-compute": "weight-gradient deferral is not implemented",
     "--disable-gloo-process-groups": "gloo process groups are this trainer's CPU backend and cannot be turned off",
     "--check-weight-hash-across-dp-replicas-interval": "the weight-hash check is not implemented",
-    "--verify-integrity": "not implemented",
     "--error-injection-rate": "Megatron's rerun state machine is not implemented",
     "--error-injection-type": "Megatron's rerun state machine is not implemented",
     "--finetune": "not implemented yet",
@@ -306,6 +305,8 @@ def _checkpoint_and_logging(p):
     g.add_argument("--ckpt-fully-parallel-load", action="store_true",
                    help="torch_dist, GPU: the data-parallel replicas share the reading and exchange the pieces "
                         "(megatron-core's exchange needs CUDA; on CPU every rank reads its own)")
+    g.add_argument("--verify-integrity", action="store_true",
+                   help="torch_dist: hash every checkpoint file when saving (integrity.json), check them when loading")
     g.add_argument("--ckpt-assume-constant-structure", action="store_true",
                    help="torch_dist: reuse the first save's plan for later saves of the same structure")
     g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",

@@ -15,6 +15,8 @@ forked process writes them, and a collective finish gathers the write results, w
 renames iter_XXXXXXX.tmp into place and only then replaces the tracker. With --async-save the
 training loop goes on while the process writes; the next save and the end of the run wait for it.
 A crash or SIGKILL at any moment leaves the previous checkpoint and a tracker that points at it.
+With --verify-integrity the finished files are hashed (sha256, the ranks sharing the files) into
+integrity.json before the rename, and a load checks them first.
 
 megatron-core's torch_dist writer assumes CUDA twice (staging ends in torch.cuda.synchronize; the
 finish broadcasts a CUDA tensor). The strategy below replaces those two steps with device-agnostic
@@ -22,6 +24,8 @@ ones, so CPU runs (gloo) take the same path as GPU runs.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import multiprocessing as mp
 import os
 import shutil
@@ -203,10 +207,57 @@ class CheckpointSaver:
         for fn in request.finalize_fns:  # write results gathered, .metadata and metadata.json written
             fn()
         final = iteration_dir(self.args.save, iteration)
+        if self.args.verify_integrity:
+            write_integrity(final + ".tmp")
         publish(self.args.save, final + ".tmp", final, iteration)
         if on_done is not None:
             on_done(iteration, final)
         return iteration
+
+
+# ---- integrity -------------------------------------------------------------------------------------
+INTEGRITY = "integrity.json"
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _hashes(path: str, names) -> dict:
+    """Collective: every rank hashes its share of `names`; all ranks get all hashes."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = {n: _sha256(os.path.join(path, n)) for n in sorted(names)[rank::world]}
+    shares = [None] * world
+    dist.all_gather_object(shares, mine)
+    return {k: v for share in shares for k, v in share.items()}
+
+
+def write_integrity(path: str) -> None:
+    names = [n for n in os.listdir(path) if n != INTEGRITY]
+    hashes = _hashes(path, names)
+    if dist.get_rank() == 0:
+        with open(os.path.join(path, INTEGRITY), "w") as f:
+            json.dump(hashes, f, indent=1, sort_keys=True)
+    dist.barrier()
+
+
+def verify_integrity(path: str) -> None:
+    """Collective: every file integrity.json names has its hash, or one line says which do not."""
+    listed = os.path.join(path, INTEGRITY)
+    if not os.path.isfile(listed):
+        raise ValueError(f"--verify-integrity: {path} has no {INTEGRITY} (saved without --verify-integrity)")
+    with open(listed) as f:
+        want = json.load(f)
+    missing = sorted(n for n in want if not os.path.isfile(os.path.join(path, n)))
+    got = _hashes(path, [n for n in want if n not in missing])
+    bad = missing + sorted(n for n, h in got.items() if h != want[n])
+    if bad:
+        raise ValueError(f"--verify-integrity: {path}: {len(bad)} file(s) missing or changed since saved: "
+                         f"{', '.join(bad)}")
 
 
 # ---- load ------------------------------------------------------------------------------------------
@@ -221,6 +272,8 @@ def _load_strategy(args, pgs):
 
 def load_checkpoint(args, state, pgs, path: str) -> None:
     """Fill `state` from the torch_dist checkpoint at `path` (an iteration directory)."""
+    if args.verify_integrity:
+        verify_integrity(path)
     common = dist_checkpointing.load_common_state_dict(path)
     check_args({k: v for k, v in common["args"].items() if k not in LAYOUT_ARGS}, args)
     load_optim = not args.no_load_optim

@@ -391,6 +391,8 @@ def data_prefixes(data_path):
 def _checkpoint_args(args):
     _require(args.save_interval is None or args.save is not None, "--save-interval needs --save")
     _require(args.save_interval is None or args.save_interval > 0, "--save-interval must be positive")
+    _require(not args.verify_integrity or args.ckpt_format == "torch_dist",
+             f"--verify-integrity needs --ckpt-format torch_dist (got {args.ckpt_format})")
     _require(not args.async_save or args.ckpt_format == "torch_dist",
              f"--async-save needs --ckpt-format torch_dist (got {args.ckpt_format})")
     if args.exit_interval is not None:

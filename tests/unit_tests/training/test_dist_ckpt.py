@@ -76,3 +76,19 @@ def test_checkpoint_without_optimizer_needs_no_load_optim(tmp_path):
     args2, _, fresh = make_state(tmp_path, "--no-load-optim")
     load_checkpoint(args2, fresh, pgs, path)
     assert fresh.optimizer.adam_steps() == 0
+
+
+def test_verify_integrity_finds_a_changed_file(tmp_path):
+    args, pgs, state = saver_state(tmp_path, "--verify-integrity")
+    train_one_step(state, args)
+    path = state.saver.save(state)
+    assert "integrity.json" in os.listdir(path)
+    _, _, fresh = make_state(tmp_path, "--verify-integrity")
+    load_checkpoint(args, fresh, pgs, path)  # intact: loads
+    with open(os.path.join(path, "__0_1.distcp"), "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 1]))  # one bit flipped on disk
+    with pytest.raises(ValueError, match=r"1 file\(s\) missing or changed since saved: __0_1.distcp"):
+        load_checkpoint(args, fresh, pgs, path)
