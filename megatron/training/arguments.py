@@ -27,8 +27,6 @@ UNSUPPORTED = {
     "--tp-comm-overlap-cfg": "TP communication overlap needs Transformer Engine userbuffers; not implemented",
     "--overlap-param-gather-with-optimizer-step": "the all-gather is overlapped with the next forward "
                                                   "(--overlap-param-gather), not with the optimizer step",
-    "--decoupled-lr": "a separate learning rate for the embedding and output layer is not implemented",
-    "--decoupled-min-lr": "a separate learning rate for the embedding and output layer is not implemented",
     "--apply-wd-to-qk-layernorm": "weight decay is never applied to norm weights (1-D parameters)",
     "--rotary-interleaved": "interleaved rotary embedding is not implemented",
     "--squared-relu": "the squared-ReLU activation is not implemented",
@@ -209,6 +207,10 @@ def _training(p):
     g.add_argument("--optimizer", choices=["adam"], default="adam")
     g.add_argument("--lr", type=float)
     g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="peak learning rate of the embedding and output layer (default: --lr)")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="minimum learning rate of the embedding and output layer (default: --min-lr)")
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root"], default="linear")
     g.add_argument("--lr-decay-iters", type=int)
     g.add_argument("--lr-warmup-iters", type=int, default=0)

@@ -26,6 +26,21 @@ def no_weight_decay(name: str, param: torch.Tensor) -> bool:
     return name.endswith(".bias") or param.dim() == 1
 
 
+# Parameter groups by (weight decay, own learning rate), in a fixed order (checkpoints list them).
+GROUP_ORDER = ((True, False), (False, False), (True, True), (False, True))
+
+
+def param_group(params, decay: bool, own_lr: bool, args) -> dict:
+    """wd_mult is what megatron-core's LR scheduler multiplies the weight decay by; max_lr and
+    min_lr, when present, replace the schedule's (--decoupled-lr for the embedding and output layer,
+    megatron-core's `is_embedding_or_output_parameter`)."""
+    group = {"params": params, "wd_mult": 1.0 if decay else 0.0, "weight_decay": args.weight_decay if decay else 0.0}
+    if own_lr:
+        group["max_lr"] = args.decoupled_lr
+        group["min_lr"] = args.decoupled_min_lr if args.decoupled_min_lr is not None else args.min_lr
+    return group
+
+
 @dataclass
 class Fragment:
     main: torch.Tensor  # fp32 view of the main buffer; .grad is a view of the grad buffer
@@ -48,19 +63,17 @@ class DistributedAdam:
         self.main_data = buffer.param_data if self.fp32_model else self._main_copy()
         tp_rank = pgs.index("tp")
         self.fragments: List[Fragment] = []
-        groups = {True: [], False: []}
+        decoupled = getattr(args, "decoupled_lr", None) is not None
+        groups = {key: [] for key in GROUP_ORDER}
         for p, start, end in buffer.param_fragments():
             main = self.main_data[start:end]
             main.grad = buffer.grad_data[start:end]
             # Counted once: tp replicas only on tp rank 0, the tied embedding only on the first stage.
             counted = (getattr(p, "tensor_model_parallel", False) or tp_rank == 0) and not getattr(p, "shared", False)
             self.fragments.append(Fragment(main, counted, start))
-            groups[not no_weight_decay(names[p], p)].append(main)
-        # wd_mult is what megatron-core's LR scheduler multiplies the weight decay by.
-        param_groups = [
-            {"params": groups[True], "wd_mult": 1.0, "weight_decay": args.weight_decay},
-            {"params": groups[False], "wd_mult": 0.0, "weight_decay": 0.0},
-        ]
+            own_lr = decoupled and getattr(p, "is_embedding_or_output_parameter", False)
+            groups[(not no_weight_decay(names[p], p), own_lr)].append(main)
+        param_groups = [param_group(params, decay, own_lr, args) for (decay, own_lr), params in groups.items()]
         self.optimizer = torch.optim.AdamW(
             [g for g in param_groups if g["params"]], lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
             eps=args.adam_eps, weight_decay=args.weight_decay,

@@ -242,6 +242,10 @@ def _schedule_args(args):
     decay, warmup = _train_iters(args) if args.train_samples is None else _train_samples(args)
     _require(args.train_iters > 0, f"--train-iters must be positive, got {args.train_iters}")
     _require(args.lr >= args.min_lr >= 0.0, f"need --lr {args.lr} >= --min-lr {args.min_lr} >= 0")
+    if args.decoupled_lr is not None:
+        low = args.decoupled_min_lr if args.decoupled_min_lr is not None else args.min_lr
+        _require(args.decoupled_lr >= low >= 0.0,
+                 f"need --decoupled-lr {args.decoupled_lr} >= --decoupled-min-lr (or --min-lr) {low} >= 0")
     _require(not (args.lr_warmup_fraction is not None and warmup),
              "--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples are mutually exclusive")
     if args.lr_warmup_fraction is not None:

@@ -152,3 +152,27 @@ def _check_nan_grad_raises():
 
 def test_nan_gradients_stop_training():
     run_ranks(_check_nan_grad_raises, 2)
+
+
+def test_decoupled_lr_drives_the_embedding_and_output_layer_on_their_own_schedule(tmp_path):
+    """--decoupled-lr / --decoupled-min-lr: the word embedding and output layer follow the same
+    schedule shape between their own peak and floor; every other parameter keeps --lr/--min-lr."""
+    from megatron.training.training import setup
+    from tests.unit_tests.dist_utils import init_single_rank_world
+    from tests.unit_tests.model_utils import tiny_args, tiny_gpt
+
+    init_single_rank_world()
+    args = tiny_args("--lr 1e-3 --min-lr 1e-4 --decoupled-lr 5e-3 --decoupled-min-lr 5e-4 --lr-decay-style linear "
+                     "--untie-embeddings-and-output-weights")
+    state = setup(args, grid_groups(), lambda a, p, d: tiny_gpt(a, p))
+    own = {id(f.main) for f, (p, _, _) in zip(state.optimizer.fragments, state.optimizer.buffer.param_fragments())
+           if getattr(p, "is_embedding_or_output_parameter", False)}
+    assert len(own) == 2  # word embedding and output layer
+
+    def lrs():
+        return {any(id(m) in own for m in g["params"]): g["lr"] for g in state.optimizer.param_groups}
+
+    state.scheduler.step(args.global_batch_size * 5)  # half way through a linear decay over 10 steps
+    assert lrs() == pytest.approx({True: (5e-3 + 5e-4) / 2, False: (1e-3 + 1e-4) / 2})
+    state.scheduler.step(args.global_batch_size * 5)
+    assert lrs() == pytest.approx({True: 5e-4, False: 1e-4})
