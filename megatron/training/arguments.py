@@ -28,7 +28,6 @@ UNSUPPORTED = {
     "--overlap-param-gather-with-optimizer-step": "the all-gather is overlapped with the next forward "
                                                   "(--overlap-param-gather), not with the optimizer step",
     "--apply-wd-to-qk-layernorm": "weight decay is never applied to norm weights (1-D parameters)",
-    "--rotary-interleaved": "interleaved rotary embedding is not implemented",
     "--squared-relu": "the squared-ReLU activation is not implemented",
     "--decoder-first-pipeline-num-layers": "uneven pipeline stages are not implemented",
     "--decoder-last-pipeline-num-layers": "uneven pipeline stages are not implemented",
@@ -115,6 +114,8 @@ def _model(p):
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
     g.add_argument("--rotary-base", type=int, default=10000)
     g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--rotary-interleaved", action="store_true",
+                   help="rotate channel pairs (2j, 2j+1) instead of (j, j + rot/2)")
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     g.add_argument("--norm-epsilon", type=float, default=1e-5)

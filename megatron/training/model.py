@@ -97,6 +97,7 @@ def transformer_config(args) -> LongSeqConfig:
         use_rope=args.position_embedding_type == "rope",
         rotary_base=float(args.rotary_base),
         rotary_percent=args.rotary_percent,
+        rotary_interleaved=args.rotary_interleaved,
         recompute_core_attention=args.recompute_granularity == "selective",
         selective_checkpoint_pp=args.selective_checkpoint_pp,
     )

@@ -65,7 +65,8 @@ class LongSeqCoreAttention(MegatronModule):
         self.keep_attention = getattr(config, "selective_checkpoint_pp", False)
         self.rope = None
         if getattr(config, "use_rope", False):
-            self.rope = RotaryEmbedding(config.kv_channels, config.rotary_percent, config.rotary_base)
+            self.rope = RotaryEmbedding(config.kv_channels, config.rotary_percent, config.rotary_base,
+                                        config.rotary_interleaved)
         self._kernel: Optional[AttentionKernel] = None
         self.kernel_ran: Optional[str] = None  # the name of the last kernel called, for the log
 

@@ -57,6 +57,26 @@ def test_same_as_megatron_core_rope_for_contiguous_positions():
     torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate-half", "interleaved"])
+def test_same_as_megatron_core_rope_in_both_pairings(interleaved):
+    """--rotary-interleaved pairs channels (2j, 2j+1): megatron-core's interleaved form, whose
+    embedding repeats each frequency twice in place; and the backward is still the inverse."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    s, b, h, d = 12, 2, 3, 16
+    x = torch.randn(s, b, h, d, dtype=torch.float64, requires_grad=True)
+    ours = RotaryEmbedding(d, rotary_percent=0.5, interleaved=interleaved).double()
+    freqs = torch.outer(torch.arange(s, dtype=torch.float64), ours.inv_freq.double())
+    emb = freqs.repeat_interleave(2, -1) if interleaved else torch.cat([freqs, freqs], -1)
+    want = _apply_rotary_pos_emb_bshd(x, emb[:, None, None, :], rotary_interleaved=interleaved)
+    got = ours(x, torch.arange(s).expand(b, s))
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)  # inv_freq is kept in fp32
+    grad = torch.randn_like(x)
+    (g_ours,) = torch.autograd.grad(got, x, grad)
+    (g_want,) = torch.autograd.grad(want, x, grad)
+    torch.testing.assert_close(g_ours, g_want, atol=1e-6, rtol=0)
+
+
 def test_bf16_rotates_in_bf16_within_its_rounding_and_makes_no_fp32_copies():
     """Megatron's unfused RoPE: fp32 angles, cos/sin cast to the input dtype, the rotation in that
     dtype. Each output is x1 cos - x2 sin with x, cos, sin in bf16 and two roundings (product, sum):
