@@ -41,7 +41,6 @@ UNSUPPORTED = {
     "--eval-global-batch-size": "evaluation uses the training global batch size",
     "--save-retain-interval": "checkpoint retention is not implemented: every save is kept",
     "--num-distributed-optimizer-instances": "one distributed-optimizer instance only",
-    "--ddp-average-in-collective": "gradients are averaged after the reduction, not inside it",
     "--wgrad-deferral-limit": "weight-gradient deferral is not implemented",
     "--defer-embedding-wgrad-compute": "weight-gradient deferral is not implemented",
     "--disable-gloo-process-groups": "gloo process groups are this trainer's CPU backend and cannot be turned off",
@@ -157,6 +156,9 @@ def _parallel(p):
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--ddp-average-in-collective", action="store_true",
+                   help="average the gradients inside the data-parallel reduction (NCCL's AVG; on gloo the sum "
+                        "is divided on arrival) instead of dividing them before it")
     g.add_argument("--use-tp-pp-dp-mapping", action="store_true",
                    help="rank order tp, cp, pp, dp (pipeline stages on nearer ranks) instead of tp, cp, dp, pp")
     g.add_argument("--overlap-param-gather", action="store_true",

@@ -54,12 +54,17 @@ class GradBuffer:
     """Flat param/grad storage for `params` and their data-parallel reduction."""
 
     def __init__(self, params: List[torch.nn.Parameter], dp_group, shard: bool, overlap: bool,
-                 bucket_elements: Optional[int] = None, average: bool = True, deferred=()):
+                 bucket_elements: Optional[int] = None, average: bool = True, deferred=(),
+                 average_in_collective: bool = False):
         self.dp_group = dp_group
         # Parameters whose gradients are completed elsewhere first (tied embeddings across pipeline
         # stages): their buckets are never launched early by the overlap hooks.
         self.deferred = list(deferred)
         self.average = average  # mean over dp (per-micro-batch losses) or sum (per-token loss)
+        # --ddp-average-in-collective: NCCL averages inside the reduction (ReduceOp.AVG); gloo has no
+        # such op, so there the sum is divided once it has arrived. Default: divide, then sum.
+        self.average_in_collective = average and average_in_collective
+        self.avg_op = self.average_in_collective and dist.get_backend(dp_group) == "nccl"
         self.dp_size = dist.get_world_size(dp_group)
         self.dp_rank = dist.get_rank(dp_group)
         self.shards = self.dp_size if shard else 1
@@ -130,15 +135,28 @@ class GradBuffer:
         grads = self.grad_data[bucket.start : bucket.end]
         if self.dp_size == 1:
             return
-        if self.average:
+        if self.average and not self.average_in_collective:
             grads.div_(self.dp_size)  # before the sum, like Megatron's gradient scaling factor
+        op = dist.ReduceOp.AVG if self.avg_op else dist.ReduceOp.SUM
+        lo, hi = self._reduced_range(bucket)
         if self.shards > 1:
-            lo, hi = bucket.shard_range(self.dp_rank, self.shards)
             bucket.handle = dist.reduce_scatter_tensor(
-                self.grad_data[lo:hi], grads, group=self.dp_group, async_op=async_op
+                self.grad_data[lo:hi], grads, op=op, group=self.dp_group, async_op=async_op
             )
         else:
-            bucket.handle = dist.all_reduce(grads, group=self.dp_group, async_op=async_op)
+            bucket.handle = dist.all_reduce(grads, op=op, group=self.dp_group, async_op=async_op)
+        if not async_op:
+            self._complete(bucket)
+
+    def _reduced_range(self, bucket: Bucket):
+        """Where a bucket's reduced gradients land: this rank's shard, or the whole bucket."""
+        return bucket.shard_range(self.dp_rank, self.shards) if self.shards > 1 else (bucket.start, bucket.end)
+
+    def _complete(self, bucket: Bucket) -> None:
+        """After the reduction has arrived: the average gloo could not take inside it."""
+        if self.average_in_collective and not self.avg_op:
+            lo, hi = self._reduced_range(bucket)
+            self.grad_data[lo:hi].div_(self.dp_size)
 
     def finish_grad_sync(self) -> None:
         """After the last backward: every bucket reduced (launch what overlap did not)."""
@@ -147,6 +165,7 @@ class GradBuffer:
                 self._reduce(bucket, async_op=False)
             elif hasattr(bucket.handle, "wait"):
                 bucket.handle.wait()
+                self._complete(bucket)
             bucket.handle = None
 
     def zero_grad(self) -> None:

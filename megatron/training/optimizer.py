@@ -73,9 +73,10 @@ class DistributedAdam:
             self.fragments.append(Fragment(main, counted, start))
             own_lr = decoupled and getattr(p, "is_embedding_or_output_parameter", False)
             groups[(not no_weight_decay(names[p], p), own_lr)].append(main)
-        param_groups = [param_group(params, decay, own_lr, args) for (decay, own_lr), params in groups.items()]
+        param_groups = [param_group(params, decay, own_lr, args)
+                        for (decay, own_lr), params in groups.items() if params]
         self.optimizer = torch.optim.AdamW(
-            [g for g in param_groups if g["params"]], lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
+            param_groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
             eps=args.adam_eps, weight_decay=args.weight_decay,
         )
 

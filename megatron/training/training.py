@@ -133,7 +133,7 @@ def setup(args, pgs, model_provider):
     tied = [p for p in params if getattr(p, "shared_embedding", False)] if pgs.size("pp") > 1 else []
     buffer = GradBuffer(params, pgs.dp_cp, shard=args.use_distributed_optimizer, overlap=args.overlap_grad_reduce,
                         bucket_elements=args.ddp_bucket_size, average=not args.calculate_per_token_loss,
-                        deferred=tied)
+                        deferred=tied, average_in_collective=args.ddp_average_in_collective)
     if args.overlap_param_gather:
         buffer.wait_params_before_forward(chunks)
     named = [item for m in unwrap(chunks) for item in m.named_parameters()]

@@ -66,19 +66,20 @@ def ddp_training(model, buffer, opt, steps, start=0):
     return norms, zeros
 
 
-def _build(shard, overlap, bucket, dtype=torch.float32, gather=False):
+def _build(shard, overlap, bucket, dtype=torch.float32, gather=False, avg=False):
     pgs = grid_groups()
     torch.manual_seed(0)
     model = Tiny().to(dtype)
-    buffer = GradBuffer(list(model.parameters()), pgs.dp, shard=shard, overlap=overlap, bucket_elements=bucket)
+    buffer = GradBuffer(list(model.parameters()), pgs.dp, shard=shard, overlap=overlap, bucket_elements=bucket,
+                        average_in_collective=avg)
     if gather:
         buffer.wait_params_before_forward([model])
     args = SimpleNamespace(**{**vars(OPT_ARGS), "overlap_param_gather": gather})
     return pgs, model, buffer, DistributedAdam(model.named_parameters(), buffer, pgs, args)
 
 
-def _check_against_reference(shard, overlap, bucket, gather=False):
-    pgs, model, buffer, opt = _build(shard, overlap, bucket, gather=gather)
+def _check_against_reference(shard, overlap, bucket, gather=False, avg=False):
+    pgs, model, buffer, opt = _build(shard, overlap, bucket, gather=gather, avg=avg)
     assert buffer.shards == (2 if shard else 1)
     assert len(buffer.buckets) == (1 if bucket > 1000 else len(buffer.buckets)) and len(buffer.buckets) >= 1
     norms, zeros = ddp_training(model, buffer, opt, steps=4)
@@ -97,14 +98,16 @@ def _check_against_reference(shard, overlap, bucket, gather=False):
     assert all(z >= 3 for z in zeros)  # the unused parameter's 3 zero gradients
 
 
-@pytest.mark.parametrize("shard, overlap, bucket, gather", [
-    (False, False, 10**8, False), (True, False, 10**8, False), (False, True, 50, False), (True, True, 50, False),
-    (True, True, 50, True),
-], ids=["allreduce", "distopt", "overlap-buckets", "distopt-overlap-buckets", "distopt-overlap-param-gather"])
-def test_two_ranks_match_full_batch_adamw(shard, overlap, bucket, gather):
+@pytest.mark.parametrize("shard, overlap, bucket, gather, avg", [
+    (False, False, 10**8, False, False), (True, False, 10**8, False, False), (False, True, 50, False, False),
+    (True, True, 50, False, False), (True, True, 50, True, False), (True, True, 50, False, True),
+], ids=["allreduce", "distopt", "overlap-buckets", "distopt-overlap-buckets", "distopt-overlap-param-gather",
+        "distopt-overlap-average-in-collective"])
+def test_two_ranks_match_full_batch_adamw(shard, overlap, bucket, gather, avg):
     """With --overlap-param-gather each step's forward first waits, per module, for the gathers
-    of its own buckets: the same parameters as gathering at once."""
-    run_ranks(_check_against_reference, 2, shard, overlap, bucket, gather)
+    of its own buckets: the same parameters as gathering at once. With
+    --ddp-average-in-collective the mean is taken after the sum (gloo has no AVG op)."""
+    run_ranks(_check_against_reference, 2, shard, overlap, bucket, gather, avg)
 
 
 def _check_checkpoint_round_trip(shard, dtype):
