@@ -43,8 +43,6 @@ UNSUPPORTED = {
     "--num-distributed-optimizer-instances": "one distributed-optimizer instance only",
     "--wgrad-deferral-limit": "weight-gradient deferral is not implemented",
     "--defer-embedding-wgrad-compute": "weight-gradient deferral is not implemented",
-    "--disable-gloo-process-groups": "gloo process groups are this trainer's CPU backend and cannot be turned off",
-    "--check-weight-hash-across-dp-replicas-interval": "the weight-hash check is not implemented",
     "--error-injection-rate": "Megatron's rerun state machine is not implemented",
     "--error-injection-type": "Megatron's rerun state machine is not implemented",
     "--finetune": "not implemented yet",
@@ -87,6 +85,8 @@ NO_OP = {
     "--accumulate-allreduce-grads-in-fp32": "always on with --bf16",
     "--use-cpu-initialization": "always on: identical weights for every tp size",
     "--attention-softmax-in-fp32": "always: every kernel keeps the softmax in fp32",
+    "--disable-gloo-process-groups": "no gloo groups are made beside the NCCL ones (on CPU gloo is the backend "
+                                     "itself)",
     "--use-persistent-ckpt-worker": "each --async-save writes from a freshly forked process; a persistent "
                                     "worker only saves that fork",
     "--async-ckpt-use-cpu-shm": "the writer process inherits the host copies of the tensors by fork; no "
@@ -156,6 +156,8 @@ def _parallel(p):
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
+                   help="every N iterations, check that every data-parallel replica holds the same weights")
     g.add_argument("--ddp-average-in-collective", action="store_true",
                    help="average the gradients inside the data-parallel reduction (NCCL's AVG; on gloo the sum "
                         "is divided on arrival) instead of dividing them before it")

@@ -20,6 +20,7 @@ counterpart with the same contract:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -207,6 +208,19 @@ class GradBuffer:
                                                async_op=async_op)
             if async_op:
                 bucket.gather = (work, mine)  # the input lives until the gather is done
+
+    def check_replicas(self, iteration: int) -> None:
+        """Collective: every data-parallel replica holds the same weights, bit for bit (a flipped
+        bit or a bad link would otherwise drift silently). Megatron's weight-hash check."""
+        self.wait_params()
+        digest = hashlib.sha256(self.param_data.view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+        digests = [None] * self.dp_size
+        dist.all_gather_object(digests, digest, group=self.dp_group)
+        if len(set(digests)) > 1:
+            ranks = dist.get_process_group_ranks(self.dp_group)
+            odd = [r for r, d in zip(ranks, digests) if d != digests[0]]
+            raise RuntimeError(f"iteration {iteration}: the weights of data-parallel replicas {odd} differ from "
+                               f"rank {ranks[0]}'s")
 
     def wait_params(self, buckets=None) -> None:
         """The parameters of `buckets` (all by default) are whole again."""

@@ -360,6 +360,9 @@ def train(forward_step_func, train_iter, valid_iter, state: TrainState, args, pg
         reporter.iteration(state, losses, grad_norm, num_zeros, skipped)
         if state.saver is not None:
             state.saver.finish(blocking=False)  # publish a background save once every rank has written it
+        interval = args.check_weight_hash_across_dp_replicas_interval
+        if interval and state.iteration % interval == 0:
+            state.optimizer.buffer.check_replicas(state.iteration)
         _collect_garbage(args, state.iteration)
         if valid_iter is not None and args.eval_iters > 0 and args.eval_interval and state.iteration % args.eval_interval == 0:
             evaluate_and_print("validation", forward_step_func, valid_iter, state, args, pgs, tb, True)

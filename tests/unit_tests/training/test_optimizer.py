@@ -179,3 +179,17 @@ def test_decoupled_lr_drives_the_embedding_and_output_layer_on_their_own_schedul
     assert lrs() == pytest.approx({True: (5e-3 + 5e-4) / 2, False: (1e-3 + 1e-4) / 2})
     state.scheduler.step(args.global_batch_size * 5)
     assert lrs() == pytest.approx({True: 5e-4, False: 1e-4})
+
+
+def _check_replica_hash():
+    pgs, model, buffer, opt = _build(True, False, 50)
+    ddp_training(model, buffer, opt, steps=1)
+    buffer.check_replicas(1)  # the same weights everywhere
+    if dist.get_rank() == 1:
+        buffer.param_data[3] = torch.nextafter(buffer.param_data[3], torch.tensor(2.0))  # one ulp
+    with pytest.raises(RuntimeError, match=r"iteration 2: the weights of data-parallel replicas \[1\] differ"):
+        buffer.check_replicas(2)
+
+
+def test_weight_hash_finds_a_replica_one_ulp_off():
+    run_ranks(_check_replica_hash, 2)
