@@ -29,10 +29,10 @@ UNSUPPORTED = {
                                                   "(--overlap-param-gather), not with the optimizer step",
     "--apply-wd-to-qk-layernorm": "weight decay is never applied to norm weights (1-D parameters)",
     "--squared-relu": "the squared-ReLU activation is not implemented",
-    "--decoder-first-pipeline-num-layers": "uneven pipeline stages are not implemented",
-    "--decoder-last-pipeline-num-layers": "uneven pipeline stages are not implemented",
-    "--account-for-embedding-in-pipeline-split": "uneven pipeline stages are not implemented",
-    "--account-for-loss-in-pipeline-split": "uneven pipeline stages are not implemented",
+    "--account-for-embedding-in-pipeline-split": "stages are split by transformer layers only (uneven stages: "
+                                                 "--decoder-first/last-pipeline-num-layers)",
+    "--account-for-loss-in-pipeline-split": "stages are split by transformer layers only (uneven stages: "
+                                            "--decoder-first/last-pipeline-num-layers)",
     "--num-virtual-stages-per-pipeline-rank": "use --num-layers-per-virtual-pipeline-stage",
     "--microbatch-group-size-per-virtual-pipeline-stage": "the interleaved schedule groups micro-batches by "
                                                           "the pipeline size only",
@@ -156,6 +156,10 @@ def _parallel(p):
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                   help="layers of the first pipeline stage (default: an even share)")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                   help="layers of the last pipeline stage (default: an even share)")
     g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
                    help="every N iterations, check that every data-parallel replica holds the same weights")
     g.add_argument("--ddp-average-in-collective", action="store_true",

@@ -16,6 +16,7 @@ from megatron.longseq.attention.spec import gpt_block_spec
 from megatron.longseq.config import LongSeqConfig
 from megatron.longseq.recompute import apply_full_recompute
 from megatron.training.init import initialize_parameters
+from megatron.training.validate import stage_layers
 
 
 def params_dtype(args) -> torch.dtype:
@@ -73,6 +74,8 @@ def transformer_config(args) -> LongSeqConfig:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_chunks if args.virtual_pipeline_chunks > 1 else None,
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
         context_parallel_size=args.context_parallel_size,
         sequence_parallel=args.sequence_parallel,
         bf16=args.bf16,
@@ -108,7 +111,10 @@ def build_model_chunks(args, pgs, device: torch.device) -> List[torch.nn.Module]
     a GPTModel with its share of the layers; bf16 chunks wrapped in megatron-core's Float16Module."""
     config = transformer_config(args)
     p, v, stage = args.pipeline_model_parallel_size, args.virtual_pipeline_chunks, pgs.index("pp")
-    per_chunk = args.num_layers // (p * v)
+    # megatron-core numbers the layers from the same first/last counts (config), so layer names and
+    # checkpoint offsets follow the uneven split too
+    per_chunk = stage_layers(args.num_layers, p, args.decoder_first_pipeline_num_layers,
+                             args.decoder_last_pipeline_num_layers, stage) // v
     cp = ContextParallel.from_process_groups(pgs)
     # embd=None: megatron-core's tied-embedding sync needs CUDA; init.py gives both copies the same
     # values and finalize_model_grads keeps their gradients summed.

@@ -207,7 +207,11 @@ def _pipeline_args(args):
                  f"--num-layers-per-virtual-pipeline-stage {per} = {p * per}")
         v = L // (p * per)
         _require(p > 1 or v == 1, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
-    _require(L % (p * v) == 0, f"--num-layers {L} is not divisible by --pipeline-model-parallel-size {p}")
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    if first is None and last is None:
+        _require(L % (p * v) == 0, f"--num-layers {L} is not divisible by --pipeline-model-parallel-size {p}")
+    else:
+        _uneven_stages(L, p, v, first, last)
     args.virtual_pipeline_chunks = v
     try:
         plan.check(p, args.num_microbatches, k, v)
@@ -224,6 +228,27 @@ def _pipeline_args(args):
     if k > 1:
         _require(args.attention_dropout == 0.0, "--attention-dropout must be 0 with --pipe-sp-splits > 1")
         _require(not args.reset_attention_mask, "--reset-attention-mask is not supported with --pipe-sp-splits > 1")
+
+
+def stage_layers(num_layers: int, p: int, first, last, stage: int) -> int:
+    """Megatron's uneven split: the first and last stages take the layers given for them, the
+    stages between share the rest evenly."""
+    if stage == 0 and first is not None:
+        return first
+    if stage == p - 1 and last is not None:
+        return last
+    middle = p - (first is not None) - (last is not None)
+    return (num_layers - (first or 0) - (last or 0)) // middle
+
+
+def _uneven_stages(L, p, v, first, last):
+    _require(p > 1 and v == 1, "--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1 "
+                               "and no virtual pipeline")
+    _require(all(n is None or n > 0 for n in (first, last)), "--decoder-first/last-pipeline-num-layers must be positive")
+    rest, middle = L - (first or 0) - (last or 0), p - (first is not None) - (last is not None)
+    _require(rest >= middle and (rest % middle == 0 if middle else rest == 0),
+             f"--num-layers {L} less the first/last stages' {(first or 0) + (last or 0)} leaves {rest} for "
+             f"{middle} middle stage(s): not an even positive share")
 
 
 def num_parameters(args) -> int:

@@ -200,9 +200,9 @@ def test_async_save_killed_mid_write_resumes_from_the_previous_checkpoint(runs, 
 
 
 def test_torch_dist_checkpoint_resumes_in_other_layouts(tmp_path):
-    """Saved at tp2 x pp2 (distributed optimizer, async), resumed at tp1 x pp4 and at tp4 x pp1:
-    every layout's losses are the single-rank run's within LAYOUT_RTOL (only the order of fp32
-    reductions differs), before and after the change of layout."""
+    """Saved at tp2 x pp2 (distributed optimizer, async), resumed at tp1 x pp4, at tp4 x pp1 and
+    at pp2 with uneven stages (1 + 3 layers): every layout's losses are the single-rank run's within
+    LAYOUT_RTOL (only the order of fp32 reductions differs), before and after the change of layout."""
     ckpt = str(tmp_path / "ckpt")
 
     def run(name, nproc, flags):
@@ -212,8 +212,9 @@ def test_torch_dist_checkpoint_resumes_in_other_layouts(tmp_path):
     first = run("reshard_tp2_pp2", 4, "--num-layers 4 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
                 f"--use-distributed-optimizer --async-save --save {ckpt} --save-interval 4 --exit-interval 4".split())
     assert sorted(first) == [1, 2, 3, 4]
-    for name, layout in [("pp4", "--pipeline-model-parallel-size 4"), ("tp4", "--tensor-model-parallel-size 4")]:
-        resumed = run(f"reshard_{name}", 4, f"--num-layers 4 {layout} --load {ckpt}".split())
+    for name, nproc, layout in [("pp4", 4, "--pipeline-model-parallel-size 4"), ("tp4", 4, "--tensor-model-parallel-size 4"),
+                                ("pp2_uneven", 2, "--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 1")]:
+        resumed = run(f"reshard_{name}", nproc, f"--num-layers 4 {layout} --load {ckpt}".split())
         assert sorted(resumed) == [5, 6, 7, 8], name
         for step, loss in {**first, **resumed}.items():
             assert abs(loss - ref[step]) <= LAYOUT_RTOL * ref[step], (name, step, loss, ref[step])

@@ -57,7 +57,9 @@ def test_padded_vocab_matches_megatron():
 
 @pytest.mark.parametrize("extra, world, message", [
     ("--no-such-flag 3", 1, "unrecognized arguments: --no-such-flag 3"),
-    ("--fp16", 1, "--fp16: fp16 with loss scaling is not implemented; use --bf16"),
+    ("--fp16 --bf16", 1, "--bf16 and --fp16 are mutually exclusive"),
+    ("--async-save --ckpt-format torch", 1, "--async-save needs --ckpt-format torch_dist (got torch)"),
+    ("--overlap-param-gather", 1, "--overlap-param-gather needs --use-distributed-optimizer"),
     ("--num-experts 8", 1, "--num-experts: mixture-of-experts models are outside this project's scope"),
     ("--tensor-model-parallel-size 4 --num-attention-heads 6 --hidden-size 96", 4,
      "--num-attention-heads 6 is not divisible by --tensor-model-parallel-size 4"),
@@ -107,7 +109,8 @@ def test_padded_vocab_matches_megatron():
     ("--selective-checkpoint-pp", 1, "--selective-checkpoint-pp needs --recompute-granularity full"),
     ("--cp-comm-type a2a p2p", 1, "--cp-comm-type takes one value for all layers"),
     ("--save-interval 5", 1, "--save-interval needs --save"),
-    ("--ckpt-format torch_dist", 1, "--ckpt-format torch_dist is not implemented"),
+    ("--ckpt-format fsdp_dtensor", 1, "--ckpt-format: invalid choice: 'fsdp_dtensor'"),
+    ("--verify-integrity --ckpt-format torch", 1, "--verify-integrity needs --ckpt-format torch_dist"),
     ("--position-embedding-type rope --rotary-percent 0.1", 1, "rotary dim = kv channels 16 x --rotary-percent 0.1 = 1"),
     ("--hidden-dropout 1.0", 1, "--hidden-dropout must be in [0, 1)"),
     ("--data-path /nonexistent/corpus", 1, "give exactly one of --mock-data, --passkey-data and --data-path"),
