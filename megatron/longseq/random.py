@@ -103,7 +103,8 @@ def load_rng_state_dict(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-    _TRACKER.set_states(state["tracker"])
+    if "tracker" in state:  # absent: a CUDA run's streams read on CPU; the seeded ones stay
+        _TRACKER.set_states(state["tracker"])
 
 
 class CheckpointRegion:

@@ -11,6 +11,12 @@ checkpoint and a tracker that points at it.
 
 What a resume needs to be exact: model, optimizer (fp32 main params and Adam moments), LR schedule,
 every RNG stream, the iteration and the data position (consumed train and valid samples).
+
+Megatron-LM's own torch-format checkpoints are read too: its `args` is an argparse Namespace (the
+consumed samples inside), its RNG state a list of per-replica dicts with its own key names, and a
+tracker saying `release` names a released model (<dir>/release, trained from iteration 0 with a
+fresh optimizer, as Megatron does). Its optimizer state is laid out by Megatron's own parameter
+groups and buffers and is not read: such a checkpoint resumes with --no-load-optim.
 """
 from __future__ import annotations
 
@@ -143,19 +149,27 @@ def _main_file(args, state, sharded: bool) -> dict:
     return obj
 
 
-def read_tracker(root: str) -> Optional[int]:
+RELEASE = "release"
+
+
+def read_tracker(root: str):
+    """The iteration the tracker names, RELEASE for a released model, None without a tracker."""
     path = os.path.join(root, TRACKER)
     if not os.path.isfile(path):
         return None
     text = open(path).read().strip()
+    if text == RELEASE:
+        return RELEASE
     if not text.isdigit():
-        raise ValueError(f"{path}: expected an iteration number, found {text!r}")
+        raise ValueError(f"{path}: expected an iteration number or 'release', found {text!r}")
     return int(text)
 
 
 def latest_checkpoint(root: str) -> Optional[str]:
     """The iteration directory the tracker under `root` points at; None when there is none."""
     iteration = read_tracker(root)
+    if iteration == RELEASE:
+        return os.path.join(root, RELEASE)
     return None if iteration is None else iteration_dir(root, iteration)
 
 
@@ -176,25 +190,51 @@ def load_checkpoint(args, state, pgs) -> bool:
         return False
     rank_dir = os.path.join(path, rank_dir_name(pgs))
     obj = torch.load(os.path.join(rank_dir, "model_optim_rng.pt"), map_location="cpu", weights_only=False)
-    check_args(obj["args"], args)
+    release, megatron = os.path.basename(path) == RELEASE, not isinstance(obj["args"], dict)
+    check_args(_megatron_args(obj["args"]) if megatron else obj["args"], args)
     for key, model in zip(model_keys(state.model), unwrap(state.model)):
         model.load_state_dict(obj[key], strict=True)
     state.optimizer.reload_model_params()
-    if not args.no_load_optim:
+    if megatron and not args.no_load_optim and not release:
+        raise ValueError(f"{rank_dir} is Megatron-LM's: its optimizer state is laid out by Megatron's parameter "
+                         f"groups and buffers, which this trainer does not read; load with --no-load-optim")
+    if not args.no_load_optim and not release:
         sharded = state.optimizer.buffer.shards > 1
         opt = (torch.load(_shard_path(rank_dir, pgs), map_location="cpu", weights_only=False)
                if sharded else obj.get("optimizer"))
         if opt is None:
             raise ValueError(f"{rank_dir} holds no optimizer state; load with --no-load-optim")
         state.optimizer.load_state_dict(opt)
+    if release:  # a released model starts training afresh
+        return True
     load_schedule(state.scheduler, obj["opt_param_scheduler"])
     if not args.no_load_rng and "rng_state" in obj:
-        load_rng_state_dict(obj["rng_state"])
+        load_rng_state_dict(_megatron_rng(obj["rng_state"], pgs) if megatron else obj["rng_state"])
     state.iteration = obj["iteration"]
-    state.consumed_train_samples = obj["consumed_train_samples"]
-    state.consumed_valid_samples = obj["consumed_valid_samples"]
-    state.flops_so_far = obj["num_floating_point_operations_so_far"]
+    counters = vars(obj["args"]) if megatron else obj  # Megatron keeps the consumed samples in its args
+    state.consumed_train_samples = counters.get("consumed_train_samples", 0)
+    state.consumed_valid_samples = counters.get("consumed_valid_samples", 0)
+    state.flops_so_far = obj.get("num_floating_point_operations_so_far", 0)
     return True
+
+
+def _megatron_args(namespace) -> dict:
+    """MUST_MATCH read from Megatron's Namespace; without GQA its num_query_groups means nothing
+    (every head is its own group, which is how this trainer records it)."""
+    saved = {k: getattr(namespace, k) for k in MUST_MATCH if hasattr(namespace, k)}
+    if not getattr(namespace, "group_query_attention", False):
+        saved["num_query_groups"] = namespace.num_attention_heads
+    return saved
+
+
+def _megatron_rng(states: list, pgs) -> dict:
+    """Megatron's RNG state: one dict per data-parallel replica (one when they share it)."""
+    mine = states[pgs.index("dp") if len(states) > 1 else 0]
+    ours = {"random": mine["random_rng_state"], "numpy": mine["np_rng_state"], "torch": mine["torch_rng_state"]}
+    if torch.cuda.is_available():  # Megatron's tracker streams and cuda state are CUDA generator states
+        ours["tracker"] = mine["rng_tracker_states"]
+        ours["cuda"] = mine["cuda_rng_state"]
+    return ours
 
 
 def load_schedule(scheduler, saved: dict) -> None:

@@ -87,8 +87,8 @@ def test_load_rejects_a_different_model(tmp_path):
 
 
 def test_tracker_with_garbage_is_an_error(tmp_path):
-    (tmp_path / TRACKER).write_text("release\n")
-    with pytest.raises(ValueError, match="expected an iteration number"):
+    (tmp_path / TRACKER).write_text("banana\n")
+    with pytest.raises(ValueError, match="expected an iteration number or 'release'"):
         read_tracker(str(tmp_path))
     assert read_tracker(str(tmp_path / "missing")) is None
 
@@ -108,3 +108,53 @@ def test_schedule_settings_on_load_as_megatron_chooses_them(tmp_path, flag, lr):
         return
     load_checkpoint(args2, resumed, pgs)
     assert resumed.scheduler.max_lr == lr
+
+
+def write_megatron_checkpoint(root, directory, state, args, tracker):
+    """Megatron-LM's torch layout, from the facts of its checkpointing.py: <dir>/iter_XXXXXXX (or
+    release)/mp_rank_00/model_optim_rng.pt holding the argparse Namespace `args` (consumed samples
+    inside), checkpoint_version 3.0, iteration, model, optimizer, opt_param_scheduler, rng_state (a
+    list of per-replica dicts) and num_floating_point_operations_so_far."""
+    import argparse
+    import random
+
+    import numpy as np
+
+    namespace = argparse.Namespace(**{k: getattr(args, k) for k in checkpointing.MUST_MATCH},
+                                   group_query_attention=False, consumed_train_samples=24, consumed_valid_samples=8)
+    namespace.num_query_groups = 1  # Megatron's default, meaningless without GQA
+    rng = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+           "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": None, "rng_tracker_states": {}}
+    path = root / directory / "mp_rank_00"
+    path.mkdir(parents=True)
+    torch.save({"args": namespace, "checkpoint_version": 3.0, "iteration": 3,
+                "model": state.model[0].module.state_dict(), "optimizer": {"optimizer": {}},
+                "opt_param_scheduler": state.scheduler.state_dict(), "rng_state": [rng],
+                "num_floating_point_operations_so_far": 123.0}, path / "model_optim_rng.pt")
+    (root / TRACKER).write_text(tracker)
+
+
+def test_megatron_torch_checkpoint_loads(tmp_path):
+    """Weights, iteration, data position, FLOPs and RNG from Megatron's own layout; its optimizer
+    state is refused in one line (--no-load-optim takes the rest); a release starts at 0."""
+    args, pgs, state = make_state(tmp_path, "--ckpt-format torch")
+    train_one_step(state, args)
+    write_megatron_checkpoint(tmp_path, "iter_0000003", state, args, "3")
+    after_rng = torch.rand(2)
+    _, _, fresh = make_state(tmp_path, "--ckpt-format torch")
+    with pytest.raises(ValueError, match="is Megatron-LM's: its optimizer state .* load with --no-load-optim"):
+        load_checkpoint(args, fresh, pgs)
+    args2, _, fresh = make_state(tmp_path, "--ckpt-format torch --no-load-optim")
+    assert load_checkpoint(args2, fresh, pgs)
+    assert torch.equal(torch.rand(2), after_rng)
+    assert (fresh.iteration, fresh.consumed_train_samples, fresh.consumed_valid_samples, fresh.flops_so_far) == (
+        3, 24, 8, 123.0)
+    for key, value in state.model[0].state_dict().items():
+        if torch.is_tensor(value):
+            assert torch.equal(fresh.model[0].state_dict()[key], value), key
+
+    release = tmp_path / "rel"
+    write_megatron_checkpoint(release, "release", state, args, "release")
+    args3, _, fresh = make_state(release, "--ckpt-format torch")
+    assert load_checkpoint(args3, fresh, pgs) and fresh.iteration == 0 and fresh.consumed_train_samples == 0
+    assert torch.equal(fresh.optimizer.buffer.param_data, state.optimizer.buffer.param_data)  # released weights
