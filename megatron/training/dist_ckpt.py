@@ -50,13 +50,15 @@ from megatron.training.model import unwrap
 from megatron.training.optimizer import MODEL_SPACE
 
 # ---- the writer: host staging and a device-agnostic finish ---------------------------------------
-def _stage_on_host(write_buckets):
+def _stage_on_host(writer):
     """Copies, never references: training goes on while they are written, and `.to("cpu")` of a
-    host tensor would be the tensor itself."""
+    host tensor would be the tensor itself. The writer keeps the copies only, so the device tensors
+    (the optimizer's gathered state among them) are freed as soon as the caller lets go of them."""
     staged = []
-    for file_name, storage_key, (bytes_data, tensor_data) in write_buckets:
+    for file_name, storage_key, (bytes_data, tensor_data) in writer.write_buckets:
         tensors = [(item, t.detach().to("cpu", copy=True)) for item, t in tensor_data]
         staged.append((file_name, storage_key, (bytes_data, tensors)))
+    writer.write_buckets = staged
     return staged
 
 
@@ -80,7 +82,7 @@ class HostStagedTorchDistSave(TorchDistSaveShardedStrategy):
     def _get_save_and_finalize_callbacks(self, writer, save_state_dict_ret) -> AsyncRequest:
         save_fn, _, save_args = writer.get_save_function_and_args()
         return AsyncRequest(save_fn, save_args, [partial(_finish_write, *save_state_dict_ret)],
-                            preload_fn=partial(_stage_on_host, writer.write_buckets))
+                            preload_fn=partial(_stage_on_host, writer))
 
 
 # ---- what is saved ---------------------------------------------------------------------------------
@@ -108,7 +110,7 @@ def _optimizer_sharded(chunks, model_sd: dict, flats: dict, offsets: dict) -> di
 
 
 def _rng_sharded(pgs) -> ShardedObject:
-    # Every rank's own streams; only meaningful to a run with the same layout (see _load_rng).
+    # Every rank's own streams; only meaningful to a run with the same layout (see load_checkpoint).
     world, rank = dist.get_world_size(), dist.get_rank()
     return ShardedObject("rng_state", rng_state_dict(), (world,), (rank,), replica_id=0)
 
@@ -156,7 +158,7 @@ class CheckpointSaver:
         if args.ckpt_fully_parallel_save:  # the replicas over dp x cp share the writing
             strategy = FullyParallelSaveStrategyWrapper(strategy, pgs.dp_cp, args.ckpt_assume_constant_structure)
         self.strategy = strategy
-        self.pending = None  # (process, request, iteration, on_done)
+        self.pending = None  # (process, finalize functions, iteration, on_done)
 
     def save(self, state, on_done=None) -> str:
         """Start saving `state`; waits for a save still in flight first. Returns the final path."""
@@ -187,7 +189,8 @@ class CheckpointSaver:
             process = mp.get_context("fork").Process(target=request.async_fn, args=save_args,
                                                      kwargs=request.async_fn_kwargs, daemon=False)
             process.start()
-        self.pending = (process, request, iteration, on_done)
+        self.pending = (process, request.finalize_fns, iteration, on_done)  # not the request: it holds the
+        # device tensors it was built from
 
     def _done_everywhere(self) -> bool:
         process = self.pending[0]
@@ -200,11 +203,11 @@ class CheckpointSaver:
         blocking). Returns the iteration it published, None if none."""
         if self.pending is None or not (blocking or self._done_everywhere()):
             return None
-        process, request, iteration, on_done = self.pending
+        process, finalize_fns, iteration, on_done = self.pending
         self.pending = None
         if process is not None:
             process.join()
-        for fn in request.finalize_fns:  # write results gathered, .metadata and metadata.json written
+        for fn in finalize_fns:  # write results gathered, .metadata and metadata.json written
             fn()
         final = iteration_dir(self.args.save, iteration)
         if self.args.verify_integrity:

@@ -7,6 +7,7 @@ import torch
 
 from megatron.training.arguments import STRICTNESS
 from megatron.training.checkpointing import read_tracker
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.training.dist_ckpt import CheckpointSaver, load_checkpoint
 from tests.unit_tests.training.test_checkpointing import make_state, train_one_step
 from tests.unit_tests.model_utils import lm_loss
@@ -92,3 +93,23 @@ def test_verify_integrity_finds_a_changed_file(tmp_path):
         f.write(bytes([byte[0] ^ 1]))  # one bit flipped on disk
     with pytest.raises(ValueError, match=r"1 file\(s\) missing or changed since saved: __0_1.distcp"):
         load_checkpoint(args, fresh, pgs, path)
+
+
+def test_async_save_holds_only_host_copies_while_writing(tmp_path, monkeypatch):
+    """On a GPU the buckets megatron-core prepares hold device tensors (on CPU it clones views
+    itself, so the leak cannot show here): the optimizer's gathered state alone is three fp32
+    copies of the model part. Once staged, the writer left in flight must hold only the host
+    copies, and nothing else may keep the request (and its device tensors) alive."""
+    from megatron.training import dist_ckpt
+
+    args, pgs, state = saver_state(tmp_path, "--async-save")
+    train_one_step(state, args)
+    staged = []
+    real = dist_ckpt._stage_on_host
+    monkeypatch.setattr(dist_ckpt, "_stage_on_host", lambda writer: staged.append(real(writer)) or staged[-1])
+    state.saver.save(state)
+    process, finalize_fns, _, _ = state.saver.pending  # still being written
+    writer = finalize_fns[0].args[0]
+    assert len(staged) == 1 and writer.write_buckets is staged[0]
+    assert not any(isinstance(x, AsyncRequest) for x in state.saver.pending)
+    state.saver.finish(blocking=True)
