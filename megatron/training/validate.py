@@ -40,8 +40,9 @@ def validate_args(args: argparse.Namespace, world_size: int, errors: Sequence[st
     """Check `args` for a run of `world_size` ranks and fill in derived values. Raises ArgsError
     with every problem found, `errors` (the parser's) first, in one line."""
     errors = list(errors)
-    for check in (_required, _model_args, partial(_parallel_args, world_size=world_size), _batch_args, _precision_args,
-                  _overlap_args, _pipeline_args, _schedule_args, _recompute_args, _memo_args, _data_args, _checkpoint_args):
+    for check in (_required, _model_args, partial(_parallel_args, world_size=world_size), _batch_args,
+                  _precision_args, _overlap_args, _pipeline_args, _schedule_args, _recompute_args, _memo_args,
+                  _data_args, _checkpoint_args):
         try:
             check(args)
         except ArgsError as err:  # the first problem of each group of flags
@@ -181,9 +182,11 @@ def _batch_args(args):
 def _precision_args(args):
     _require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are mutually exclusive")
     if args.fp16:
-        _require(args.loss_scale is None or args.loss_scale > 0, f"--loss-scale must be positive, got {args.loss_scale}")
+        _require(args.loss_scale is None or args.loss_scale > 0,
+                 f"--loss-scale must be positive, got {args.loss_scale}")
         _require(args.initial_loss_scale >= args.min_loss_scale > 0,
-                 f"need --initial-loss-scale {args.initial_loss_scale:g} >= --min-loss-scale {args.min_loss_scale:g} > 0")
+                 f"need --initial-loss-scale {args.initial_loss_scale:g} >= "
+                 f"--min-loss-scale {args.min_loss_scale:g} > 0")
         _require(args.loss_scale_window > 0 and args.hysteresis > 0,
                  "--loss-scale-window and --hysteresis must be positive")
 
@@ -244,7 +247,8 @@ def stage_layers(num_layers: int, p: int, first, last, stage: int) -> int:
 def _uneven_stages(L, p, v, first, last):
     _require(p > 1 and v == 1, "--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1 "
                                "and no virtual pipeline")
-    _require(all(n is None or n > 0 for n in (first, last)), "--decoder-first/last-pipeline-num-layers must be positive")
+    _require(all(n is None or n > 0 for n in (first, last)),
+             "--decoder-first/last-pipeline-num-layers must be positive")
     rest, middle = L - (first or 0) - (last or 0), p - (first is not None) - (last is not None)
     _require(rest >= middle and (rest % middle == 0 if middle else rest == 0),
              f"--num-layers {L} less the first/last stages' {(first or 0) + (last or 0)} leaves {rest} for "

@@ -212,8 +212,9 @@ def test_torch_dist_checkpoint_resumes_in_other_layouts(tmp_path):
     first = run("reshard_tp2_pp2", 4, "--num-layers 4 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
                 f"--use-distributed-optimizer --async-save --save {ckpt} --save-interval 4 --exit-interval 4".split())
     assert sorted(first) == [1, 2, 3, 4]
-    for name, nproc, layout in [("pp4", 4, "--pipeline-model-parallel-size 4"), ("tp4", 4, "--tensor-model-parallel-size 4"),
-                                ("pp2_uneven", 2, "--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 1")]:
+    layouts = [("pp4", 4, "--pipeline-model-parallel-size 4"), ("tp4", 4, "--tensor-model-parallel-size 4"),
+               ("pp2_uneven", 2, "--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 1")]
+    for name, nproc, layout in layouts:
         resumed = run(f"reshard_{name}", nproc, f"--num-layers 4 {layout} --load {ckpt}".split())
         assert sorted(resumed) == [5, 6, 7, 8], name
         for step, loss in {**first, **resumed}.items():

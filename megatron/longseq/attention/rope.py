@@ -2,7 +2,8 @@
 
 Megatron's convention (non-interleaved): the first rot_dim = kv_channels * rotary_percent channels
 of each head are rotated; frequencies inv_freq[j] = base^(-2j / rot_dim); channel pairs are
-(x[j], x[j + rot_dim/2]) ("rotate half"), or with --rotary-interleaved (x[2j], x[2j+1]). Taking the angles from position ids rather than from
+(x[j], x[j + rot_dim/2]) ("rotate half"), or with --rotary-interleaved (x[2j], x[2j+1]). Taking
+the angles from position ids rather than from
 0..s-1 is what lets a rank hold any subset of the sequence (context-parallel chunks, pipeline
 segments, reset position ids) and still rotate each token by its true position.
 
