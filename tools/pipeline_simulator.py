@@ -125,6 +125,9 @@ def main(argv=None):
         return
     if args.from_run:
         events, p = recorded_events(args.from_run)
+        if not events:
+            ap.error(f"--from-run {args.from_run}: no rank_*.json timeline there (record one with "
+                     "pretrain_gpt.py --pipeline-timeline DIR)")
         busy = sum(e[3] - e[2] for e in events)
         span = max(e[3] for e in events) - min(e[2] for e in events)
         print(f"recorded run: {p} stages, {len(events)} operations, bubble ratio {1 - busy / (p * span):.3f}")

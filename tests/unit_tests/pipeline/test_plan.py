@@ -91,3 +91,13 @@ def test_simulator_tool(tmp_path, capsys):
     for row in rows:  # Seq1F1B with the computation-wise partition beats 1F1B in every configuration
         cells = [float(c) for c in row.split("|")[5:10]]
         assert cells[3] < cells[0] and cells[4] < cells[1]
+
+
+def test_simulator_on_a_directory_without_a_timeline_fails_in_one_line(tmp_path, capsys):
+    from tools import pipeline_simulator
+
+    with pytest.raises(SystemExit) as info:
+        pipeline_simulator.main(["--from-run", str(tmp_path / "missing")])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--from-run" in err and "no rank_*.json timeline there" in err
