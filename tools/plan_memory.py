@@ -3,8 +3,8 @@
     # profile a model (pretrain_gpt.py's model flags, one CPU rank) and plan it
     python tools/plan_memory.py --out plan.json --png plan.png --planner cpsat -- \\
         --num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 1024 \\
-        --micro-batch-size 1 --train-iters 1 --lr 1e-4 --mock-data --tokenizer-type NullTokenizer \\
-        --vocab-size 1000 --hidden-dropout 0 --memo --memo-swap-fraction 0.5
+        --hidden-dropout 0 --memo --memo-swap-fraction 0.5
+    (flags only training needs default to one step of mock data: see TRAINING_DEFAULTS)
     # or plan a saved trace
     python tools/plan_memory.py --trace trace.json --out plan.json --png plan.png
 
@@ -23,6 +23,23 @@ from megatron.longseq.memo.planner import bilevel_plan, draw  # noqa: E402
 from megatron.longseq.memo.trace import Trace  # noqa: E402
 
 
+# What pretrain_gpt.py requires but a memory plan does not depend on, when the flags leave it out.
+TRAINING_DEFAULTS = {"--micro-batch-size": ["1"], "--train-iters": ["1"], "--lr": ["1e-4"]}
+DATA_FLAGS = ("--mock-data", "--data-path", "--passkey-data")
+
+
+def with_training_defaults(flags):
+    flags = list(flags)
+    for flag, value in TRAINING_DEFAULTS.items():
+        if flag not in flags:
+            flags += [flag] + value
+    if not any(f in flags for f in DATA_FLAGS):
+        flags.append("--mock-data")
+    if "--tokenizer-type" not in flags:
+        flags += ["--tokenizer-type", "NullTokenizer"] + ([] if "--vocab-size" in flags else ["--vocab-size", "1000"])
+    return flags
+
+
 def profile_model(model_flags, save_trace=None) -> Trace:
     """One micro-batch of the model on one CPU rank under the allocation tracer."""
     import torch
@@ -38,7 +55,7 @@ def profile_model(model_flags, save_trace=None) -> Trace:
     from megatron.training.validate import padded_vocab_size
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    args = parse_and_validate(model_flags)
+    args = parse_and_validate(with_training_defaults(model_flags))
     pgs = initialize_distributed(args)
     args.padded_vocab_size = padded_vocab_size(build_tokenizer(args).vocab_size, args.make_vocab_size_divisible_by, 1)
     state = setup(args, pgs, pretrain_gpt.model_provider)
@@ -77,7 +94,12 @@ def main(argv=None):
     args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     if not args.trace and not model_flags:
         ap.error("give --trace PATH or pretrain_gpt.py model flags after --")
-    trace = Trace.load(args.trace) if args.trace else profile_model(model_flags, args.save_trace)
+    from megatron.training.arguments import ArgsError
+
+    try:
+        trace = Trace.load(args.trace) if args.trace else profile_model(model_flags, args.save_trace)
+    except ArgsError as err:  # the model flags after --, in pretrain_gpt.py's one line
+        ap.error(f"model flags: {err}")
     plan = bilevel_plan(trace, args.planner, args.time_limit)
     s = plan.summary()
     print(f"{len(trace.events)} events, {len(trace.windows())} layer windows")

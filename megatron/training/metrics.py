@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 import resource
 import sys
-import time
+from datetime import datetime
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
@@ -28,7 +28,7 @@ def print_rank_last(message: str) -> None:
 
 
 def timestamp() -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S")
+    return datetime.now().strftime("%Y-%m-%d %H:%M:%S.%f")  # Megatron's, to the microsecond
 
 
 @dataclass
@@ -102,6 +102,7 @@ def memory_stats() -> Dict[str, float]:
             "reserved": s.get("reserved_bytes.all.current", 0),
             "max reserved": s.get("reserved_bytes.all.peak", 0),
             "alloc retries": s.get("num_alloc_retries", 0),
+            "alloc count": s.get("allocation.all.current", 0),
         }
     with open("/proc/self/statm") as f:
         rss = int(f.read().split()[1]) * resource.getpagesize()
@@ -112,7 +113,8 @@ def memory_stats() -> Dict[str, float]:
 def memory_line(iteration: int) -> str:
     mb = 1024.0 * 1024.0
     stats = memory_stats()
-    body = " | ".join(f"{k}: {v / mb:.1f}" if k != "alloc retries" else f"{k}: {int(v)}" for k, v in stats.items())
+    counts = ("alloc retries", "alloc count")
+    body = " | ".join(f"{k}: {int(v)}" if k in counts else f"{k}: {v / mb:.1f}" for k, v in stats.items())
     rank = dist.get_rank() if dist.is_initialized() else 0
     return f"[Rank {rank}] (after {iteration} iterations) memory (MB) | {body}"
 
@@ -144,7 +146,7 @@ class TensorboardLogger:
         names = {"allocated": "mem-allocated-bytes", "max allocated": "mem-max-allocated-bytes",
                  "reserved": "mem-reserved-bytes", "max reserved": "mem-max-reserved-bytes",
                  "rss": "mem-allocated-bytes", "max rss": "mem-max-allocated-bytes",
-                 "alloc retries": "mem-alloc-retries"}
+                 "alloc retries": "mem-alloc-retries", "alloc count": "mem-allocated-count"}
         for key, value in stats.items():
             self.writer.add_scalar(names[key], value, iteration)
 

@@ -217,14 +217,16 @@ def evaluate_and_print(name, forward_step_func, data_iterator, state, args, pgs,
         gc.collect(generation=0)  # what evaluation made
     if count_samples:
         state.consumed_valid_samples += args.eval_iters * args.global_batch_size
-    line = f" {name} loss at {'iteration ' + str(state.iteration) if count_samples else 'the end of training'} |"
+    # Megatron's wording and names: after training "... on validation set" / "... on test set", and
+    # tensorboard's "lm loss validation" for both
+    where = f"iteration {state.iteration}" + ("" if count_samples else f" on {name} set")
+    line = f" validation loss at {where} |"
     for key, value in losses.items():
         ppl = math.exp(min(20.0, value))
         line += f" {key} value: {value:.6E} | {key} PPL: {ppl:.6E} |"
-        suffix = "validation" if name == "validation" else "test"
-        tb.scalars({f"{key} {suffix}": value}, state.iteration, state.consumed_train_samples)
+        tb.scalars({f"{key} validation": value}, state.iteration, state.consumed_train_samples)
         if args.log_validation_ppl_to_tensorboard:
-            tb.scalars({f"{key} {suffix} ppl": ppl}, state.iteration, state.consumed_train_samples)
+            tb.scalars({f"{key} validation ppl": ppl}, state.iteration, state.consumed_train_samples)
     rule = "-" * len(line)
     print_rank_last(f"{rule}\n{line}\n{rule}")
 
@@ -241,6 +243,7 @@ class _Reporter:
         self.flops_per_iter = num_floating_point_operations(args, args.global_batch_size)
         self.peak = args.peak_tflops if args.peak_tflops is not None else default_peak_tflops()
         self.last = time.perf_counter()
+        self.first_interval = True
 
     def iteration(self, state: TrainState, losses, grad_norm, num_zeros, skipped: bool):
         args = self.args
@@ -266,8 +269,12 @@ class _Reporter:
             tflops = self.flops_per_iter / (elapsed * 1e12 * args.world_size)
             extra = {"tflops": tflops, "mfu": tflops / self.peak if self.peak else None,
                      "tokens_per_gpu": args.global_batch_size * args.seq_length / elapsed / args.world_size}
-            self.tb.scalars({"throughput": tflops}, state.iteration, state.consumed_train_samples)
-        self.tb.scalars({"iteration-time": elapsed}, state.iteration, state.consumed_train_samples)
+        # Megatron: timings go to tensorboard only when asked, and not for the run's first
+        # interval (it holds the start-up)
+        if args.log_timers_to_tensorboard and not self.first_interval:
+            self.tb.scalars({"iteration-time": elapsed, **({"throughput": extra["tflops"]} if extra else {})},
+                            state.iteration, state.consumed_train_samples)
+        self.first_interval = False
         print_rank_last(format_iteration_line(
             iteration=state.iteration, train_iters=args.train_iters,
             consumed_samples=state.consumed_train_samples, elapsed_ms=elapsed * 1000.0, lr=lr,
@@ -460,7 +467,8 @@ def _finish(args, state, pgs, forward_step_func, valid_iter, test_ds, tb):
     if args.save and (not args.save_interval or state.iteration % args.save_interval != 0):
         save_and_report(args, state, pgs)
     if args.eval_iters > 0 and valid_iter is not None:
-        evaluate_and_print("validation", forward_step_func, valid_iter, state, args, pgs, tb, False)
+        if not (args.eval_interval and state.iteration % args.eval_interval == 0):  # not just done
+            evaluate_and_print("validation", forward_step_func, valid_iter, state, args, pgs, tb, False)
     test_iter = build_loader(test_ds, 0, args, pgs)
     if args.eval_iters > 0 and test_iter is not None:
         evaluate_and_print("test", forward_step_func, test_iter, state, args, pgs, tb, False)

@@ -72,7 +72,8 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(runs, tmp_path):
     ckpt, tb = str(tmp_path / "ckpt"), str(tmp_path / "tb")
     first = run_case(case, runs.workdir, ["--save", ckpt, "--save-interval", "5", "--exit-interval", "15"])
     assert sorted(first) == list(range(1, 16))
-    resumed = run_case(case, runs.workdir, ["--save", ckpt, "--load", ckpt, "--tensorboard-dir", tb])
+    resumed = run_case(case, runs.workdir, ["--save", ckpt, "--load", ckpt, "--tensorboard-dir", tb,
+                                            "--log-timers-to-tensorboard"])
     assert sorted(resumed) == list(range(16, TRAIN_ITERS + 1))
     full = runs(case.name)
     assert {s: full[s] for s in resumed} == resumed  # identical printed values

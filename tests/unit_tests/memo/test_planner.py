@@ -139,8 +139,9 @@ def test_bilevel_plan_of_real_layer_traces(alpha):
 
 
 def test_plan_memory_tool_profiles_plans_and_draws(tmp_path):
-    """tools/plan_memory.py (its own process: it builds its own world) on a model, then on the
-    trace it saved: the same plan."""
+    """tools/plan_memory.py (its own process: it builds its own world) on a model given by its
+    model flags only (training-only flags default to one step of mock data), then on the trace it
+    saved: the same plan. Bad model flags: pretrain_gpt.py's one line, no traceback."""
     import subprocess
     import sys
     from pathlib import Path
@@ -148,8 +149,7 @@ def test_plan_memory_tool_profiles_plans_and_draws(tmp_path):
     from megatron.longseq.memo.planner import load_plan_summary
 
     tool = str(Path(__file__).resolve().parents[3] / "tools" / "plan_memory.py")
-    model = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --micro-batch-size 1 "
-             "--train-iters 1 --lr 1e-4 --mock-data --tokenizer-type NullTokenizer --vocab-size 100 "
+    model = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 128 "
              "--hidden-dropout 0 --memo --memo-swap-fraction 0.5").split()
     out, png, trace = tmp_path / "plan.json", tmp_path / "plan.png", tmp_path / "trace.json"
 
@@ -170,3 +170,8 @@ def test_plan_memory_tool_profiles_plans_and_draws(tmp_path):
     assert again["peak_bytes"] == first["peak_bytes"]
     # the same requests and marks (CP-SAT's parallel search may place them differently at the same peak)
     assert [again["replay"][k] == first["replay"][k] for k in ("sizes", "marks")] == [True, True]
+    bad = subprocess.run([sys.executable, tool, "--", "--num-layers", "4"], capture_output=True, text=True,
+                         timeout=300, env=child_env())
+    lines = bad.stderr.strip().splitlines()
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-2000:]
+    assert "model flags: " in lines[-1] and "--hidden-size" in lines[-1]

@@ -168,3 +168,21 @@ def test_uneven_pipeline_stages_as_megatron_splits_them():
                                       "--decoder-last-pipeline-num-layers 2").split())[0], 4)
     args = training.validate_args(parse((base + "--decoder-first-pipeline-num-layers 1").split())[0], 4)
     assert args.virtual_pipeline_chunks == 1
+
+
+def test_validation_and_test_lines_use_megatrons_words_and_tensorboard_names(monkeypatch, capsys):
+    """During training "validation loss at iteration N", after it "... on validation set" and
+    "... on test set"; tensorboard's name is "lm loss validation" for both, as Megatron's."""
+    logged = []
+    tb = SimpleNamespace(scalars=lambda values, iteration, samples=None: logged.append((dict(values), iteration)))
+    monkeypatch.setattr(training, "evaluate", lambda *a, **k: {"lm loss": 2.0})
+    monkeypatch.setattr(training, "print_rank_last", print)
+    state = SimpleNamespace(iteration=7, consumed_valid_samples=0, consumed_train_samples=56)
+    args = SimpleNamespace(manual_gc=False, eval_iters=1, global_batch_size=8, log_validation_ppl_to_tensorboard=False)
+    training.evaluate_and_print("validation", None, None, state, args, None, tb, True)
+    training.evaluate_and_print("test", None, None, state, args, None, tb, False)
+    out = capsys.readouterr().out
+    assert " validation loss at iteration 7 | lm loss value: 2.000000E+00 | lm loss PPL: 7.389056E+00 |" in out
+    assert " validation loss at iteration 7 on test set | lm loss value:" in out
+    assert logged == [({"lm loss validation": 2.0}, 7)] * 2
+    assert state.consumed_valid_samples == 8  # only the in-training evaluation counts its samples
