@@ -106,9 +106,19 @@ def transformer_config(args) -> LongSeqConfig:
     )
 
 
+def _quiet_cuda_advice(device: torch.device) -> None:
+    """megatron-core's tp linears advise CUDA_DEVICE_MAX_CONNECTIONS=1 once per process: a CUDA
+    stream setting, which means nothing to a CPU run."""
+    if device.type != "cuda":
+        from megatron.core.tensor_parallel import layers
+
+        layers.linear_with_grad_accumulation_and_async_allreduce.warned = True
+
+
 def build_model_chunks(args, pgs, device: torch.device) -> List[torch.nn.Module]:
     """This rank's model chunks: one per virtual pipeline stage (one without interleaving), each
     a GPTModel with its share of the layers; bf16 chunks wrapped in megatron-core's Float16Module."""
+    _quiet_cuda_advice(device)
     config = transformer_config(args)
     p, v, stage = args.pipeline_model_parallel_size, args.virtual_pipeline_chunks, pgs.index("pp")
     # megatron-core numbers the layers from the same first/last counts (config), so layer names and

@@ -93,3 +93,14 @@ def test_layernorm_1p_stores_gamma_minus_one_and_computes_the_same():
     assert loss_1p == loss
     for name, grad in grads.items():
         assert torch.equal(grads_1p[name], grad), name
+
+
+def test_cpu_model_gives_no_cuda_connection_advice():
+    """megatron-core's tp linears advise CUDA_DEVICE_MAX_CONNECTIONS=1 once per process; on CPU
+    that advice is noise, so building a CPU model spends it."""
+    from megatron.core.tensor_parallel import layers
+
+    init_single_rank_world()
+    layers.linear_with_grad_accumulation_and_async_allreduce.warned = False
+    tiny_gpt(tiny_args(), grid_groups())
+    assert layers.linear_with_grad_accumulation_and_async_allreduce.warned
