@@ -6,16 +6,20 @@ Same shape as Megatron-LM's script: model provider, batch, loss, forward step, d
 """
 from __future__ import annotations
 
+import os
 from functools import partial
 
-import torch
+if __name__ == "__main__" and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+    print("> loading torch and megatron-core ...", flush=True)  # seconds of silence otherwise
 
-import megatron.longseq  # noqa: F401  (first: it quiets megatron-core's import-time fallback warnings)
-from megatron.core import parallel_state as mpu
-from megatron.longseq.attention.core import AttentionInputs
-from megatron.training.data import build_datasets, to_device
-from megatron.training.model import build_model_chunks
-from megatron.training.training import pretrain, run_main
+import torch  # noqa: E402
+
+import megatron.longseq  # noqa: E402,F401  (first: it quiets megatron-core's import-time fallback warnings)
+from megatron.core import parallel_state as mpu  # noqa: E402
+from megatron.longseq.attention.core import AttentionInputs  # noqa: E402
+from megatron.training.data import build_datasets, to_device  # noqa: E402
+from megatron.training.model import build_model_chunks  # noqa: E402
+from megatron.training.training import pretrain, run_main  # noqa: E402
 
 
 def model_provider(args, pgs, device):

@@ -426,10 +426,18 @@ def load_and_report(args, state, pgs) -> None:
     print_rank_0(f"  successfully loaded checkpoint from {args.load} at iteration {state.iteration}")
 
 
+def _say(message: str) -> None:
+    """Before process groups exist: rank 0 of the launch (RANK from torchrun or Slurm) speaks."""
+    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        print(message, flush=True)
+
+
 def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_func, argv=None,
              extra_args_provider=None):
     """Megatron's entry point, with explicit arguments instead of globals."""
+    start = time.perf_counter()
     args = parse_and_validate(argv, extra_args_provider)
+    _say(f"> initializing torch distributed ({args.distributed_backend}) ...")
     pgs = initialize_distributed(args)
     check_attention_kernel(args)
     tokenizer = build_tokenizer(args)
@@ -439,6 +447,7 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     print_rank_0(f"> padded vocab (size: {tokenizer.vocab_size}) with "
                  f"{args.padded_vocab_size - tokenizer.vocab_size} dummy tokens (new size: {args.padded_vocab_size})")
     _print_args(args)
+    print_rank_0("> building GPT model, gradient buffer, optimizer and LR schedule ...")
     state = setup(args, pgs, model_provider)
     if args.memo:
         state.memo = setup_memo(args, pgs, state, forward_step_func, device_of(args))
@@ -446,9 +455,11 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
         load_and_report(args, state, pgs)
     if args.save and args.ckpt_format == "torch_dist":
         state.saver = dist_ckpt.CheckpointSaver(args, pgs, device_of(args))
+    print_rank_0("> building train, validation, and test datasets ...")
     train_ds, valid_ds, test_ds = train_valid_test_datasets_provider(args, tokenizer, train_valid_test_num_samples(args))
     train_iter = build_loader(train_ds, state.consumed_train_samples, args, pgs)
     valid_iter = build_loader(valid_ds, state.consumed_valid_samples, args, pgs)
+    print_rank_0(f"> setup done in {time.perf_counter() - start:.1f} s; training ...")
     timers = Timers(args.timing_log_level, args.device_type == "cuda")
     tb = TensorboardLogger(args.tensorboard_dir)
     try:
