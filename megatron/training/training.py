@@ -35,7 +35,7 @@ from megatron.training.metrics import (
 )
 from megatron.training.memo_setup import setup_memo
 from megatron.training.loss_scaler import loss_scaler
-from megatron.training.model import params_dtype, unwrap
+from megatron.training.model import fusions, params_dtype, unwrap
 from megatron.training.optimizer import DistributedAdam
 from megatron.training.timers import Timers
 from megatron.training.tokenizer import build_tokenizer
@@ -79,6 +79,11 @@ def _print_args(args) -> None:
         if not key.startswith("_"):
             print_rank_0(f"  {key} {'.' * (48 - len(key))} {getattr(args, key)}")
     print_rank_0("-------------------- end of arguments ---------------------")
+    # What the flags above become on this machine, where that differs from their face value.
+    in_force = {**{f"{k} (megatron-core)": v for k, v in fusions(args).items()},
+                "ckpt_fully_parallel_load": args.ckpt_fully_parallel_load and args.device_type == "cuda"}
+    for key, value in sorted(in_force.items()):
+        print_rank_0(f"  in force: {key} {'.' * (38 - len(key))} {value}")
 
 
 def build_scheduler(args, optimizer) -> OptimizerParamScheduler:
