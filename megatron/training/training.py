@@ -78,12 +78,13 @@ def _print_args(args) -> None:
     for key in sorted(vars(args)):
         if not key.startswith("_"):
             print_rank_0(f"  {key} {'.' * (48 - len(key))} {getattr(args, key)}")
-    print_rank_0("-------------------- end of arguments ---------------------")
-    # What the flags above become on this machine, where that differs from their face value.
-    in_force = {**{f"{k} (megatron-core)": v for k, v in fusions(args).items()},
+    # What some flags above become on this machine (fusions are off on CPU, ...).
+    print_rank_0("------------------ in force on this machine ------------------")
+    in_force = {**fusions(args),
                 "ckpt_fully_parallel_load": args.ckpt_fully_parallel_load and args.device_type == "cuda"}
     for key, value in sorted(in_force.items()):
-        print_rank_0(f"  in force: {key} {'.' * (38 - len(key))} {value}")
+        print_rank_0(f"  {key} {'.' * max(1, 48 - len(key))} {value}")
+    print_rank_0("-------------------- end of arguments ---------------------")
 
 
 def build_scheduler(args, optimizer) -> OptimizerParamScheduler:
