@@ -186,3 +186,12 @@ def test_validation_and_test_lines_use_megatrons_words_and_tensorboard_names(mon
     assert " validation loss at iteration 7 on test set | lm loss value:" in out
     assert logged == [({"lm loss validation": 2.0}, 7)] * 2
     assert state.consumed_valid_samples == 8  # only the in-training evaluation counts its samples
+
+
+def test_help_explains_every_flag_and_shows_its_default():
+    parser = build_parser()
+    options = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    assert options and all(a.help for a in options), [a.option_strings[0] for a in options if not a.help]
+    text = " ".join(parser.format_help().split())
+    assert "--num-layers NUM_LAYERS transformer layers (default: None)" in text
+    assert "--ckpt-format {torch,torch_dist}" in text and "(default: torch_dist)" in text
