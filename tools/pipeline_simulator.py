@@ -62,8 +62,8 @@ def paper_table() -> str:
     return "\n".join(rows)
 
 
-def plot(events, p, path, title):
-    """events: (rank, label, start, end, is_forward, micro_batch)."""
+def plot(events, p, path, title, time_unit):
+    """events: (rank, label, start, end, is_forward, micro_batch); time_unit names the x axis."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -80,8 +80,14 @@ def plot(events, p, path, title):
             ax.text((start + end) / 2 - t0, p - 1 - rank, label, ha="center", va="center", fontsize=5)
     ax.set_yticks(range(p))
     ax.set_yticklabels([f"stage {p - 1 - i}" for i in range(p)])
-    ax.set_xlabel("time")
+    ax.set_xlabel(f"time ({time_unit})")
     ax.set_title(title)
+    from matplotlib.patches import Patch
+
+    ax.legend(handles=[Patch(facecolor=colors[0], edgecolor="black", label="forward (a colour per micro-batch)"),
+                       Patch(facecolor=colors[1], edgecolor="black", label="backward (its lighter shade)")],
+              loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, title="box label: micro-batch.segment",
+              title_fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=150)
     plt.close(fig)
@@ -132,7 +138,7 @@ def main(argv=None):
         span = max(e[3] for e in events) - min(e[2] for e in events)
         print(f"recorded run: {p} stages, {len(events)} operations, bubble ratio {1 - busy / (p * span):.3f}")
         if args.png:
-            plot(events, p, args.png, f"recorded timeline ({args.from_run})")
+            plot(events, p, args.png, f"recorded timeline ({args.from_run})", "s, wall clock")
         return
     p, m, k, v = args.pipeline_size, args.micro_batches, args.splits, args.chunks
     base = run(p, m, 1, v, args.seq_length, args.num_layers, args.hidden_size, "average")
@@ -143,7 +149,8 @@ def main(argv=None):
     for label, t in ((("1F1B" + ("-I" if v > 1 else "")), base), (f"{name} k={k}", seq)):
         print(f"{label:>16} {t.bubble_ratio:>8.3f}  " + " ".join(f"{a:.2f}" for a in t.peak_activation))
     if args.png:
-        plot(simulated_events(seq), p, args.png, f"{name}: P={p}, m={m}, k={k}, v={v} ({args.strategy})")
+        plot(simulated_events(seq), p, args.png, f"{name}: P={p}, m={m}, k={k}, v={v} ({args.strategy})",
+             "one micro-batch's forward on one stage")
         print(f"wrote {args.png}")
 
 
