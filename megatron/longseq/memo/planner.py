@@ -161,10 +161,15 @@ def draw(trace: Trace, plan: MemoryPlan, path: str, title: str = "") -> None:
     ax.set_xlim(0, len(trace.events))
     ax.set_ylim(0, plan.peak / mib * 1.05)
     ax.axhline(plan.lower_bound / mib, color="red", linestyle="--", linewidth=0.8, label="lower bound")
-    ax.set_xlabel("allocation event")
-    ax.set_ylabel("address (MiB)")
+    ax.set_xlabel("allocation event (index in the iteration's trace)")
+    ax.set_ylabel("planned address (MiB)")
     ax.set_title(title or f"memory plan: peak {plan.peak / mib:.2f} MiB")
-    ax.legend(loc="upper right")
+    from matplotlib.patches import Patch
+
+    handles, _ = ax.get_legend_handles_labels()
+    handles += [Patch(facecolor=colors[0], edgecolor="black", label="a tensor: its lifetime x its bytes"),
+                Patch(facecolor="grey", alpha=0.2, label="a layer window (level-1 plan)")]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=150)
     plt.close(fig)
