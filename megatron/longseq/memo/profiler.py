@@ -11,6 +11,7 @@ carried through the history as allocations on a marker stream).
 """
 from __future__ import annotations
 
+import gc
 import time
 from typing import Callable, List, Optional, Tuple
 
@@ -123,6 +124,12 @@ def trace_iteration(run_microbatch: Callable[[], None], layers, device) -> Trace
     trace = Trace()
     marks = CudaMarks(device) if device.type == "cuda" else trace
     handles = mark_layer_windows(layers, marks)
+    # The trace is the iteration's own: garbage left by earlier work is collected now, and the
+    # collector stays off while tracing, so that no foreign frees (or frees delayed to a later
+    # collection) land in it at moments that depend on what ran before.
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         if device.type == "cuda":
             torch.cuda.memory._record_memory_history(max_entries=1_000_000, clear_history=True)
@@ -135,6 +142,8 @@ def trace_iteration(run_microbatch: Callable[[], None], layers, device) -> Trace
             with AllocationTracer(trace):
                 run_microbatch()
     finally:
+        if collecting:
+            gc.enable()
         for h in handles:
             h.remove()
     return trace

@@ -196,7 +196,7 @@ class _Runner:
         with no_sync():
             if grad is None:
                 loss = self._loss_to_backprop(m, s)
-                scale = self.config.grad_scale_func  # --fp16: the loss scale (megatron-core's hook)
+                scale = getattr(self.config, "grad_scale_func", None)  # --fp16: megatron-core's loss-scale hook
                 torch.autograd.backward(scale(loss) if scale is not None else loss)
             else:
                 torch.autograd.backward(output, grad_tensors=grad)
