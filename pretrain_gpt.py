@@ -17,6 +17,7 @@ import torch  # noqa: E402
 import megatron.longseq  # noqa: E402,F401  (first: it quiets megatron-core's import-time fallback warnings)
 from megatron.core import parallel_state as mpu  # noqa: E402
 from megatron.longseq.attention.core import AttentionInputs  # noqa: E402
+from megatron.longseq.attention.placement import DOCUMENT_STARTS  # noqa: E402
 from megatron.training.data import build_datasets, to_device  # noqa: E402
 from megatron.training.model import build_model_chunks  # noqa: E402
 from megatron.training.training import pretrain, run_main  # noqa: E402
@@ -28,13 +29,14 @@ def model_provider(args, pgs, device):
 
 
 def get_batch(data_iterator, device):
-    """tokens, labels, loss_mask, attention_mask (document masks only), position_ids, and the
-    Seq1F1B segment slot (None without segments)."""
+    """tokens, labels, loss_mask, position_ids, and the attention's metadata: the Seq1F1B segment
+    slot and the packed documents' starts (None without segments or documents)."""
     batch = next(data_iterator)
     segment = batch.pop("segment", None)
+    starts = batch.pop(DOCUMENT_STARTS, None)  # read on the host: which tokens meet which
     batch = to_device(batch, device)
-    mask = batch.get("attention_mask")
-    return batch["tokens"], batch["labels"], batch["loss_mask"], mask, batch["position_ids"], segment
+    inputs = AttentionInputs(position_ids=batch["position_ids"], segment=segment, document_starts=starts)
+    return batch["tokens"], batch["labels"], batch["loss_mask"], batch["position_ids"], inputs
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -58,9 +60,8 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 def forward_step(data_iterator, model):
     device = next(model.parameters()).device
-    tokens, labels, loss_mask, attention_mask, position_ids, segment = get_batch(data_iterator, device)
-    output = model(tokens, position_ids, attention_mask, labels=labels,
-                   packed_seq_params=AttentionInputs(position_ids=position_ids, segment=segment))
+    tokens, labels, loss_mask, position_ids, inputs = get_batch(data_iterator, device)
+    output = model(tokens, position_ids, None, labels=labels, packed_seq_params=inputs)
     return output, partial(loss_func, loss_mask)
 
 

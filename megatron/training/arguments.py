@@ -201,9 +201,8 @@ def _data(p):
                    help="read the .bin files with plain reads instead of memory-mapping them")
     g.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
                    dest="create_attention_mask_in_dataloader",
-                   help="the dataloader builds an attention mask only for --reset-attention-mask (causal "
-                        "attention needs none), so this flag changes nothing unless that is given, where "
-                        "it is refused")
+                   help="accepted, changes nothing: the dataloader never builds a dense attention mask "
+                        "(document masks are found from the EOD tokens and attended piece by piece)")
 
 
 def _training(p):

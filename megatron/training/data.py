@@ -13,7 +13,7 @@ import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.utils import get_blend_from_list
-from megatron.longseq.attention.placement import RankTokens, segmented_token_indices
+from megatron.longseq.attention.placement import RankTokens, TokenPlacement
 from megatron.training.passkey import build_passkey_datasets
 
 
@@ -39,7 +39,8 @@ def build_datasets(args, tokenizer, num_samples):
         reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask,
         eod_mask_loss=args.eod_mask_loss,
-        create_attention_mask=args.reset_attention_mask,  # only document masks need one
+        # never a dense [S, S] mask: document masks come from the EOD tokens (placement.RankTokens)
+        create_attention_mask=False,
         mid_level_dataset_surplus=0.005,
     )
     cls = MockGPTDataset if args.mock_data else GPTDataset
@@ -66,12 +67,13 @@ class PretrainingSampler:
             yield list(range(start + lo, start + lo + self.mbs))
 
 
-def build_loader(dataset, consumed_samples: int, args, pgs) -> Optional[Iterator]:
+def build_loader(dataset, consumed_samples: int, args, pgs, eod: Optional[int] = None) -> Optional[Iterator]:
+    """This data-parallel rank's micro-batches from `consumed_samples` on; `eod` (the tokenizer's)
+    finds the packed documents under --reset-attention-mask."""
     if dataset is None or len(dataset) == 0:
         return None
-    if pgs.size("cp") > 1:  # this rank's tokens only, in its attention mode's order, per segment
-        dataset = RankTokens(dataset, segmented_token_indices(
-            args.segment_lengths, pgs.size("hp"), pgs.size("ring"), pgs.index("hp"), pgs.index("ring")))
+    if pgs.size("cp") > 1 or args.reset_attention_mask:  # this rank's tokens, in its attention mode's order
+        dataset = RankTokens(dataset, token_placement(args, pgs), eod if args.reset_attention_mask else None)
     dp_rank, dp_size = pgs.index("dp"), pgs.size("dp")
     sampler = PretrainingSampler(len(dataset), consumed_samples, args.micro_batch_size, dp_rank, dp_size)
     # The loader draws its workers' base seed when an iterator is made; from its own generator,
@@ -84,6 +86,10 @@ def build_loader(dataset, consumed_samples: int, args, pgs) -> Optional[Iterator
     return iter(loader)
 
 
+def token_placement(args, pgs) -> TokenPlacement:
+    return TokenPlacement(args.segment_lengths, pgs.size("hp"), pgs.size("ring"), pgs.index("hp"), pgs.index("ring"))
+
+
 def random_batches(args, pgs, seed: int) -> Iterator[Dict[str, torch.Tensor]]:
     """Endless micro-batches of random tokens with the run's shapes, each rank holding its share
     of every segment in its attention mode's order: for profiling and tests, from its own
@@ -91,8 +97,7 @@ def random_batches(args, pgs, seed: int) -> Iterator[Dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     idx = None
     if pgs.size("cp") > 1:
-        idx = segmented_token_indices(args.segment_lengths, pgs.size("hp"), pgs.size("ring"),
-                                      pgs.index("hp"), pgs.index("ring"))
+        idx = token_placement(args, pgs).indices()
     while True:
         # [b, s + 1]: inputs and next-token labels from one draw
         tokens = torch.randint(0, args.padded_vocab_size - 1, (args.micro_batch_size, args.seq_length + 1), generator=g)

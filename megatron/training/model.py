@@ -125,7 +125,7 @@ def build_model_chunks(args, pgs, device: torch.device) -> List[torch.nn.Module]
     # checkpoint offsets follow the uneven split too
     per_chunk = stage_layers(args.num_layers, p, args.decoder_first_pipeline_num_layers,
                              args.decoder_last_pipeline_num_layers, stage) // v
-    cp = ContextParallel.from_process_groups(pgs)
+    cp = ContextParallel.from_process_groups(pgs, args.segment_lengths)
     # embd=None: megatron-core's tied-embedding sync needs CUDA; init.py gives both copies the same
     # values and finalize_model_grads keeps their gradients summed.
     groups = ProcessGroupCollection(tp=pgs.tp, cp=pgs.cp, pp=pgs.pp, embd=None)

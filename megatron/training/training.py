@@ -463,15 +463,16 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
         state.saver = dist_ckpt.CheckpointSaver(args, pgs, device_of(args))
     print_rank_0("> building train, validation, and test datasets ...")
     train_ds, valid_ds, test_ds = train_valid_test_datasets_provider(args, tokenizer, train_valid_test_num_samples(args))
-    train_iter = build_loader(train_ds, state.consumed_train_samples, args, pgs)
-    valid_iter = build_loader(valid_ds, state.consumed_valid_samples, args, pgs)
+    train_iter = build_loader(train_ds, state.consumed_train_samples, args, pgs, tokenizer.eod)
+    valid_iter = build_loader(valid_ds, state.consumed_valid_samples, args, pgs, tokenizer.eod)
     print_rank_0(f"> setup done in {time.perf_counter() - start:.1f} s; training ...")
     timers = Timers(args.timing_log_level, args.device_type == "cuda")
     tb = TensorboardLogger(args.tensorboard_dir)
     try:
         exited = train(forward_step_func, train_iter, valid_iter, state, args, pgs, timers, tb)
         if not exited:
-            _finish(args, state, pgs, forward_step_func, valid_iter, test_ds, tb)
+            _finish(args, state, pgs, forward_step_func, valid_iter,
+                    lambda: build_loader(test_ds, 0, args, pgs, tokenizer.eod), tb)
         if state.saver is not None:
             state.saver.finish(blocking=True)  # the run ends when its last checkpoint is complete
     finally:
@@ -480,12 +481,12 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     dist.destroy_process_group()
 
 
-def _finish(args, state, pgs, forward_step_func, valid_iter, test_ds, tb):
+def _finish(args, state, pgs, forward_step_func, valid_iter, test_loader, tb):
     if args.save and (not args.save_interval or state.iteration % args.save_interval != 0):
         save_and_report(args, state, pgs)
     if args.eval_iters > 0 and valid_iter is not None:
         if not (args.eval_interval and state.iteration % args.eval_interval == 0):  # not just done
             evaluate_and_print("validation", forward_step_func, valid_iter, state, args, pgs, tb, False)
-    test_iter = build_loader(test_ds, 0, args, pgs)
+    test_iter = test_loader()
     if args.eval_iters > 0 and test_iter is not None:
         evaluate_and_print("test", forward_step_func, test_iter, state, args, pgs, tb, False)

@@ -162,8 +162,6 @@ def _context_parallel_args(args, cp, tp):
         _require(args.attention_dropout == 0.0,
                  "--attention-dropout must be 0 with --context-parallel-size > 1 (ring attention merges "
                  "softmax partials; dropout would need one mask across ranks)")
-        _require(not args.reset_attention_mask,
-                 "--reset-attention-mask is not supported with --context-parallel-size > 1")
     _require(not args.selective_checkpoint_pp or args.recompute_granularity == "full",
              "--selective-checkpoint-pp needs --recompute-granularity full")
 
@@ -230,7 +228,6 @@ def _pipeline_args(args):
         raise ArgsError(str(err)) from None
     if k > 1:
         _require(args.attention_dropout == 0.0, "--attention-dropout must be 0 with --pipe-sp-splits > 1")
-        _require(not args.reset_attention_mask, "--reset-attention-mask is not supported with --pipe-sp-splits > 1")
 
 
 def stage_layers(num_layers: int, p: int, first, last, stage: int) -> int:
@@ -356,8 +353,6 @@ def _saved_plan(path: str) -> None:
 def _data_args(args):
     _require(args.rerun_mode == "disabled", f"--rerun-mode {args.rerun_mode}: Megatron's rerun state machine is "
              "not implemented (a NaN loss stops the run); use --rerun-mode disabled")
-    _require(args.create_attention_mask_in_dataloader or not args.reset_attention_mask,
-             "--reset-attention-mask needs the dataloader's document mask: drop --no-create-attention-mask-in-dataloader")
     _require(int(args.mock_data) + int(args.passkey_data) + int(bool(args.data_path)) == 1,
              "give exactly one of --mock-data, --passkey-data and --data-path")
     if args.passkey_data:

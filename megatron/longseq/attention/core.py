@@ -21,9 +21,10 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 from megatron.longseq.attention.comm import seq_all_to_all
 from megatron.longseq.attention.context_parallel import ContextParallel
+from megatron.longseq.attention.documents import document_ids
 from megatron.longseq.attention.kernels import AttentionKernel, default_scale, select_kernel
 from megatron.longseq.attention.ledger import LEDGER
-from megatron.longseq.attention.placement import split_heads
+from megatron.longseq.attention.placement import DocumentLayout, split_heads
 from megatron.longseq.attention.ring import ring_attention
 from megatron.longseq.attention.segments import SegmentSlot
 from megatron.longseq.memo.runtime import active_layer
@@ -43,10 +44,18 @@ class AttentionInputs(PackedSeqParams):
     position_ids: Optional[torch.Tensor] = None  # [b, s] true positions of this rank's tokens
     segment: Optional[SegmentSlot] = None  # Seq1F1B: which segment of which micro-batch this is
     rope_cache: dict = field(default_factory=dict)  # RoPE cos/sin of these positions, for every layer
+    document_starts: Optional[torch.Tensor] = None  # [b, S] packed documents of the whole samples
+    _documents: Optional[DocumentLayout] = None  # built from them by the first layer, for all
 
     def __post_init__(self):
         if self.qkv_format is None:
             self.qkv_format = "sbhd"
+
+    def documents(self, cp: ContextParallel) -> Optional[DocumentLayout]:
+        """The micro-batch's packed documents as the ring sees them (None: causal attention)."""
+        if self.document_starts is not None and self._documents is None:
+            self._documents = DocumentLayout(self.document_starts, cp.ring.size, cp.segment_lengths)
+        return self._documents
 
 
 class LongSeqCoreAttention(MegatronModule):
@@ -102,25 +111,27 @@ class LongSeqCoreAttention(MegatronModule):
             positions = positions_of(packed_seq_params, query)
             cache = packed_seq_params.rope_cache if isinstance(packed_seq_params, AttentionInputs) else None
             query, key = self.rope(query, positions, cache), self.rope(key, positions, cache)
-        segment = packed_seq_params.segment if isinstance(packed_seq_params, AttentionInputs) else None
+        params = packed_seq_params if isinstance(packed_seq_params, AttentionInputs) else AttentionInputs()
         with LEDGER.scope(self.layer_number):
             if self.recompute and self.training:
-                return checkpoint(self._attend, query, key, value, attention_mask, segment)
-            return self._attend(query, key, value, attention_mask, segment, kept)
+                return checkpoint(self._attend, query, key, value, attention_mask, params)
+            return self._attend(query, key, value, attention_mask, params, kept)
 
-    def _attend(self, query, key, value, attention_mask, segment=None, kept=None):
+    def _attend(self, query, key, value, attention_mask, params, kept=None):
         sq, b = query.shape[:2]
         dropout = self.dropout_p if self.training else 0.0
         if self._needs_sdpa(attention_mask):
-            if self.cp.size > 1 or segment is not None:
-                raise ValueError("attention dropout and document masks need --context-parallel-size 1 "
+            if self.cp.size > 1 or params.segment is not None:
+                raise ValueError("attention dropout and dense attention masks need --context-parallel-size 1 "
                                  "and --pipe-sp-splits 1")
+            if attention_mask is None and params.document_starts is not None:
+                attention_mask = dense_document_mask(params.document_starts)
             out = self._sdpa(*(x.permute(1, 2, 0, 3) for x in (query, key, value)), attention_mask, dropout)
             return out.permute(2, 0, 1, 3).reshape(sq, b, -1), None  # [b, h, s, d] -> [s, b, h*d]
-        out, lse = self._two_d(query, key, value, segment, kept)
+        out, lse = self._two_d(query, key, value, params, kept)
         return out.reshape(sq, b, -1), lse  # [s, b, h, d] -> [s, b, h*d]
 
-    def _two_d(self, query, key, value, segment, kept=None):
+    def _two_d(self, query, key, value, params, kept=None):
         """LoongTrain Algorithm 1 on [s, b, h, d] tensors; returns ([s_local, b, h, d], lse)."""
         cp, layer = self.cp, self.layer_number
         split = split_heads(query.shape[2], key.shape[2], cp.hp_size)
@@ -135,18 +146,18 @@ class LongSeqCoreAttention(MegatronModule):
             out = seq_all_to_all(kept[0].view(query.shape), cp.hp_group, split.q_counts, cp.hp_index, True, layer)
             ring_kept = (out.permute(1, 2, 0, 3), kept[1])  # [s, b, h, d] -> [b, h, s, d]
         # [s, b, h, d] -> [b, h, s, d] views for the kernels
-        out, lse = self._ring(*(x.permute(1, 2, 0, 3) for x in (q, k, v)), segment, ring_kept)
+        out, lse = self._ring(*(x.permute(1, 2, 0, 3) for x in (q, k, v)), params, ring_kept)
         # [b, h/hp, s, d] -> [s, b, h/hp, d] -> [s/hp, b, h, d]
         return seq_all_to_all(out.permute(2, 0, 1, 3), cp.hp_group, split.q_counts, cp.hp_index, False, layer), lse
 
-    def _ring(self, q, k, v, segment, kept=None):
+    def _ring(self, q, k, v, params, kept=None):
         """Double-Ring-Attention, with Selective Checkpoint++: inside a full-recompute region the
         forward keeps (out, lse) and the recompute reuses them instead of attending again."""
         region = current_region() if self.keep_attention and kept is None else None
         if region is not None and region.phase == "recompute":
             kept = region.kept.pop(0)
         out, lse = ring_attention(q, k, v, self.cp.ring, self.kernel_for(q), self.scale, self.layer_number,
-                                  kept, segment)
+                                  kept, params.segment, params.documents(self.cp))
         if region is not None and region.phase == "forward":
             region.kept.append((out.detach(), lse.detach()))
         return out, lse
@@ -190,6 +201,15 @@ class _KeptAttention(torch.autograd.Function):
             again, _ = module._forward(*inputs, None, params, (out, lse))
         torch.autograd.backward(again, dout)
         return inputs[0].grad, inputs[1].grad, inputs[2].grad, None, None, None
+
+
+def dense_document_mask(starts: torch.Tensor) -> torch.Tensor:
+    """[b, S] document starts -> [b, 1, S, S] bool, True where a query must NOT see a key
+    (Megatron's convention): for torch's SDPA, which draws attention dropout itself. Only for
+    dropout at context-parallel size 1; every other path attends by document pieces."""
+    doc = document_ids(starts)
+    causal = torch.ones(doc.shape[1], doc.shape[1], dtype=torch.bool, device=starts.device).tril()
+    return ~((doc.unsqueeze(2) == doc.unsqueeze(1)) & causal).unsqueeze(1)
 
 
 def positions_of(params, like: torch.Tensor) -> torch.Tensor:

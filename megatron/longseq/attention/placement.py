@@ -7,14 +7,20 @@ the hp ranks of the position: hp rank i holds the i-th contiguous 1/hp of [chunk
 After the all-to-all gathers the sequence in hp order, every rank of ring position j holds exactly
 [chunk j ; chunk 2R-1-j] for its share of the heads. The data loader applies these indices to every
 per-token tensor (tokens, labels, loss mask, position ids), so no QKV is ever reshuffled at run time
-and RoPE rotates each token by its true position.
+and RoPE rotates each token by its true position. Packed documents (--reset-attention-mask) are
+placed document by document instead (documents.py), same counts per rank.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List
+from dataclasses import dataclass, replace
+from typing import Dict, List, Optional, Sequence
 
 import torch
+
+from megatron.longseq.attention.documents import (Piece, balanced_ring_tokens, block_pieces, document_ids,
+                                                   document_starts)
+
+DOCUMENT_STARTS = "document_starts"  # the batch key of the whole samples' document starts [b, S]
 
 
 def ring_chunks(seq_len: int, ring: int, ring_index: int) -> torch.Tensor:
@@ -25,32 +31,63 @@ def ring_chunks(seq_len: int, ring: int, ring_index: int) -> torch.Tensor:
     return torch.cat([first, last])
 
 
-def local_token_indices(seq_len: int, hp: int, ring: int, hp_index: int, ring_index: int) -> torch.Tensor:
+def ring_tokens(seq_len: int, ring: int, starts: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
+    """Every ring position's token indices in sequence order: Megatron's chunks, or with packed
+    documents (`starts` [S]) each document's balanced pieces (documents.py)."""
+    if starts is None:
+        return [ring_chunks(seq_len, ring, j) for j in range(ring)]
+    return balanced_ring_tokens(starts, ring)
+
+
+def local_token_indices(seq_len: int, hp: int, ring: int, hp_index: int, ring_index: int,
+                        starts: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Indices (into 0..S-1) of the tokens rank (hp_index, ring_index) holds, in its local order."""
     if seq_len % (2 * hp * ring):
         raise ValueError(f"sequence length {seq_len} is not divisible by 2 x context parallel size "
                          f"{hp * ring} = {2 * hp * ring}")
-    tokens = ring_chunks(seq_len, ring, ring_index)
+    tokens = ring_tokens(seq_len, ring, starts)[ring_index]
     per_rank = tokens.numel() // hp
     return tokens[hp_index * per_rank : (hp_index + 1) * per_rank]
 
 
-def segmented_token_indices(lengths: List[int], hp: int, ring: int, hp_index: int, ring_index: int) -> torch.Tensor:
+def segmented_token_indices(lengths: List[int], hp: int, ring: int, hp_index: int, ring_index: int,
+                            starts: Optional[torch.Tensor] = None) -> torch.Tensor:
     """With Seq1F1B segments every segment is placed on its own (each needs the whole ring), so a
     rank holds its share of segment 0, then of segment 1, ... One segment: local_token_indices."""
     pieces, offset = [], 0
     for n in lengths:
-        pieces.append(offset + local_token_indices(n, hp, ring, hp_index, ring_index))
+        part = None if starts is None else starts[offset : offset + n]
+        pieces.append(offset + local_token_indices(n, hp, ring, hp_index, ring_index, part))
         offset += n
     return torch.cat(pieces)
 
 
+@dataclass(frozen=True)
+class TokenPlacement:
+    """Which tokens of a sample one rank holds: its share of every Seq1F1B segment (`lengths`),
+    and with packed documents a share that depends on the sample's documents."""
+
+    lengths: Sequence[int]
+    hp: int
+    ring: int
+    hp_index: int
+    ring_index: int
+
+    def indices(self, starts: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return segmented_token_indices(list(self.lengths), self.hp, self.ring, self.hp_index, self.ring_index, starts)
+
+
 class RankTokens(torch.utils.data.Dataset):
     """A GPT dataset seen by one context-parallel rank: every per-token tensor of a sample
-    ([s] tokens, labels, loss mask, position ids) reduced to this rank's indices, in order."""
+    ([s] tokens, labels, loss mask, position ids) reduced to this rank's indices, in order.
 
-    def __init__(self, dataset, indices: torch.Tensor):
-        self.dataset, self.indices = dataset, indices
+    With packed documents (`eod` given: --reset-attention-mask) the sample also carries its
+    document starts [S], whole: they choose this rank's tokens here, and the attention derives
+    every other rank's from them. No dense [S, S] mask is ever made."""
+
+    def __init__(self, dataset, placement: TokenPlacement, eod: Optional[int] = None):
+        self.dataset, self.placement, self.eod = dataset, placement, eod
+        self.fixed = placement.indices() if eod is None else None
 
     def __len__(self):
         return len(self.dataset)
@@ -58,8 +95,55 @@ class RankTokens(torch.utils.data.Dataset):
     def __getitem__(self, i):
         sample = self.dataset[i]
         if "attention_mask" in sample:
-            raise ValueError("document attention masks are not supported with context parallelism")
-        return {key: value[self.indices] for key, value in sample.items()}
+            raise ValueError("the dataset made a dense attention mask; document masks come from the EOD tokens")
+        if self.eod is None:
+            return {key: value[self.fixed] for key, value in sample.items()}
+        starts = document_starts(sample["tokens"], self.eod)
+        idx = self.placement.indices(starts)
+        return {**{key: value[idx] for key, value in sample.items()}, DOCUMENT_STARTS: starts}
+
+
+class DocumentLayout:
+    """One micro-batch's packed documents as the ring sees them, from the samples' document
+    starts [b, S]: the tokens every ring position holds in every Seq1F1B segment (the placement
+    the data loader applied), and the pieces of every ring block. Built once per micro-batch and
+    shared by all layers, which ask for the same blocks."""
+
+    def __init__(self, starts: torch.Tensor, ring: int, segment_lengths: Optional[Sequence[int]] = None):
+        self.starts = starts.cpu()
+        self.doc_of = document_ids(self.starts)  # [b, S]
+        lengths = list(segment_lengths) if segment_lengths else [self.starts.shape[1]]
+        if sum(lengths) != self.starts.shape[1]:
+            raise ValueError(f"segments {lengths} do not add up to the sample's {self.starts.shape[1]} tokens")
+        self.offsets = [sum(lengths[:i]) for i in range(len(lengths) + 1)]
+        self.ring = ring
+        self._tokens: Dict[tuple, List[torch.Tensor]] = {}
+        self._pieces: Dict[tuple, List[Piece]] = {}
+
+    def tokens(self, sample: int, segment: int, position: int) -> torch.Tensor:
+        """Sorted indices (into the sample) of the tokens ring position `position` holds of `segment`."""
+        key = (sample, segment)
+        if key not in self._tokens:
+            a, b = self.offsets[segment], self.offsets[segment + 1]
+            self._tokens[key] = [a + t for t in ring_tokens(b - a, self.ring, self.starts[sample, a:b])]
+        return self._tokens[key][position]
+
+    def pieces(self, q_segment: int, k_segment: int, j: int, src: int) -> List[Piece]:
+        """Pieces of the block: position j's queries of q_segment against position src's keys of
+        k_segment, for every sample of the micro-batch."""
+        key = (q_segment, k_segment, j, src)
+        if key not in self._pieces:
+            self._pieces[key] = [replace(p, sample=b) for b in range(self.starts.shape[0])
+                                 for p in block_pieces(self.tokens(b, q_segment, j), self.tokens(b, k_segment, src),
+                                                       self.doc_of[b])]
+        return self._pieces[key]
+
+    def meet(self, q_segment: int, k_segment: int) -> bool:
+        """Whether a document has tokens in both segments, in any sample (every rank gets the same
+        answer). Documents are contiguous: one that reaches a later segment from an earlier one
+        holds the earlier one's last token and the later one's first."""
+        last, first = self.offsets[k_segment + 1] - 1, self.offsets[q_segment]
+        return bool((self.doc_of[:, last] == self.doc_of[:, first]).any())
 
 
 @dataclass(frozen=True)

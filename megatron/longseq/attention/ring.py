@@ -9,18 +9,22 @@ Against a block from src, by position order of the chunks (all blocks are full e
   src == j : causal over [chunk j ; chunk 2R-1-j] (the local sequence is in position order)
   src <  j : all queries see only the block's first chunk (src), fully
   src >  j : only the second query chunk (2R-1-j) sees the block, fully
-Partial (out, lse) are merged in fp32. Backward runs the kernel backward per block with the final
+Each case is a list of pieces (query rows x key rows, causal or full: documents.Piece), so packed
+documents take the same path: their blocks split into one piece per document met on both sides
+(DocumentLayout), and a block with none is skipped. Partial (out, lse) are merged in fp32. Backward runs the kernel backward per block with the final
 out/lse; dK/dV accumulators (fp32) travel with their KV block and return to its owner.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
 from megatron.longseq.attention.comm import RingComm
+from megatron.longseq.attention.documents import Piece
 from megatron.longseq.attention.kernels import AttentionKernel, grad_like
+from megatron.longseq.attention.ledger import LEDGER
 
 CAUSAL, KV_FIRST, Q_SECOND, FULL = "causal", "kv-first", "q-second", "full"
 
@@ -59,78 +63,111 @@ LOCAL = RingContext(None, None, 0, 1, 1)
 
 # ---- one block ----------------------------------------------------------------------------------
 
-def _halves(x: torch.Tensor):
-    h = x.shape[2] // 2
-    return x[:, :, :h], x[:, :, h:]
+def plain_blocks(sq: int, sk: int, causal: bool = True) -> Callable[[int, int], List[Piece]]:
+    """Pieces of every block without packed documents (Megatron's chunk placement), by step_plan:
+    the diagonal causal, an earlier block's first chunk, a later block for the second query chunk;
+    a Seq1F1B prefix block (not causal) in full."""
+    hq, hk = sq // 2, sk // 2
+    plans = {CAUSAL: [Piece(0, sq, 0, sk, True)], FULL: [Piece(0, sq, 0, sk, False)],
+             KV_FIRST: [Piece(0, sq, 0, hk, False)], Q_SECOND: [Piece(hq, sq, 0, sk, False)]}
+    return lambda j, src: plans[step_plan(j, src, causal)]
 
 
-def block_forward(q, kv, plan, kernel: AttentionKernel, scale):
-    """(out, lse) of the queries this block touches (all, or the second half)."""
-    k, v = kv[0], kv[1]
-    if plan in (CAUSAL, FULL):
-        return kernel.forward(q, k, v, plan == CAUSAL, scale)
-    if plan == KV_FIRST:
-        return kernel.forward(q, _halves(k)[0], _halves(v)[0], False, scale)
-    return kernel.forward(_halves(q)[1], k, v, False, scale)
+def _batch(p: Piece) -> slice:
+    return slice(None) if p.sample is None else slice(p.sample, p.sample + 1)
 
 
-def merge(out, lse, block_out, block_lse, rows):
-    """Online-softmax merge into the fp32 accumulators, in place, over all rows or the second half.
+def _piece_inputs(q, kv, p: Piece):
+    """Views of the piece's queries [b', h, q1-q0, d] and keys and values [b', g, k1-k0, d]."""
+    b = _batch(p)
+    return q[b, :, p.q0 : p.q1], kv[0][b, :, p.k0 : p.k1], kv[1][b, :, p.k0 : p.k1]
+
+
+def _covers(p: Piece, q) -> bool:
+    return p.sample is None and (p.q0, p.q1) == (0, q.shape[2])
+
+
+def _first_block(q, kv, pieces, kernel: AttentionKernel, scale):
+    """(out, lse) of the diagonal block, the first of a ring: its pieces cover every query row
+    once (every token sees itself), one kernel call without documents, one per document with."""
+    if len(pieces) == 1 and _covers(pieces[0], q):
+        return kernel.forward(*_piece_inputs(q, kv, pieces[0]), pieces[0].causal, scale)
+    if sum(p.q1 - p.q0 for p in pieces) != q.shape[2] * (1 if pieces[0].sample is None else q.shape[0]):
+        raise ValueError("the first block of a ring must cover every query row once")
+    out, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    for p in pieces:
+        out[_batch(p), :, p.q0 : p.q1], lse[_batch(p), :, p.q0 : p.q1] = kernel.forward(
+            *_piece_inputs(q, kv, p), p.causal, scale)
+    return out, lse
+
+
+def block_forward(q, kv, pieces: List[Piece], kernel: AttentionKernel, scale, out=None, lse=None):
+    """Merge the block's pieces into the accumulators (out, lse): None to start, when the block
+    must be the diagonal one. A block without pieces is skipped: no kernel call."""
+    if out is None:
+        return _first_block(q, kv, pieces, kernel, scale)
+    for p in pieces:
+        block_out, block_lse = kernel.forward(*_piece_inputs(q, kv, p), p.causal, scale)
+        out, lse = merge(out, lse, block_out, block_lse, p)
+    return out, lse
+
+
+def merge(out, lse, block_out, block_lse, piece: Piece):
+    """Online-softmax merge into the fp32 accumulators, in place, over the piece's query rows.
 
     With d = block_lse - lse: the new lse is lse + softplus(d) and the rows merged so far keep the
     weight exp(lse - new lse) = sigmoid(-d), so out = block + (out - block) * sigmoid(-d). Two
     lse-sized temporaries and three in-place passes over out; binary in-place ops cast a bf16
     block on the fly, so no fp32 copy of it is made."""
-    if out is None:  # the first block of a ring is the causal diagonal: it covers every row
-        return block_out, block_lse
     if out.dtype != torch.float32:  # a second block: from here on accumulate in fp32
         out = out.float()
-    o_rows = out if rows == "all" else _halves(out)[1]
-    l_rows = lse if rows == "all" else lse[:, :, lse.shape[2] // 2 :]
-    d = block_lse - l_rows  # [b, h, s']
+    b = _batch(piece)
+    o_rows, l_rows = out[b, :, piece.q0 : piece.q1], lse[b, :, piece.q0 : piece.q1]
+    d = block_lse - l_rows  # [b', h, s']
     l_rows += torch.nn.functional.softplus(d)
-    old_weight = d.neg_().sigmoid_().unsqueeze(-1)  # [b, h, s', 1]
+    old_weight = d.neg_().sigmoid_().unsqueeze(-1)  # [b', h, s', 1]
     o_rows.sub_(block_out).mul_(old_weight).add_(block_out)
     return out, lse
 
 
 class _Rows:
-    """What a block's backward reads of the query side: (dout, out, lse) of all rows, or of the
-    second half. Kernels read lse through a raw pointer as a contiguous [b, h, s] tensor, and a
-    slice of its last dim is not one, so the second half of lse is copied -- once per backward."""
+    """What a piece's backward reads of the query side: (dout, out, lse) of its rows. Kernels
+    read lse through a raw pointer as a contiguous [b, h, s] tensor, and a slice of its last dim
+    is not one, so a piece's lse rows are copied -- once per backward for each distinct rows."""
 
     def __init__(self, dout, out, lse):
         self.all = (dout, out, lse)
-        self._second = None
+        self._parts: Dict[tuple, tuple] = {}
 
-    def second(self):
-        if self._second is None:
-            dout, out, lse = self.all
-            h = lse.shape[2] // 2
-            self._second = (dout[:, :, h:], out[:, :, h:], lse[:, :, h:].contiguous())
-        return self._second
-
-
-def block_backward(q, kv, rows: _Rows, plan, kernel: AttentionKernel, scale, dq):
-    """Add this block's dq into `dq` (fp32, in place); return its (dK, dV) for add_block_grads."""
-    k, v = kv[0], kv[1]
-    dout, out, lse = rows.second() if plan == Q_SECOND else rows.all
-    if plan == KV_FIRST:  # the block's first chunk only
-        k, v = _halves(k)[0], _halves(v)[0]
-    if plan == Q_SECOND:  # the second query chunk only
-        q, dq = _halves(q)[1], _halves(dq)[1]
-    dq_b, dk_b, dv_b = kernel.backward(dout, q, k, v, out, lse, plan == CAUSAL, scale)
-    dq += dq_b
-    return dk_b, dv_b
+    def of(self, p: Piece):
+        dout, out, lse = self.all
+        if _covers(p, out):
+            return self.all
+        key = (p.sample, p.q0, p.q1)
+        if key not in self._parts:
+            b = _batch(p)
+            self._parts[key] = (dout[b, :, p.q0 : p.q1], out[b, :, p.q0 : p.q1], lse[b, :, p.q0 : p.q1].contiguous())
+        return self._parts[key]
 
 
-def add_block_grads(acc, plan, grads) -> None:
-    """acc [2, b, g, s, d] (fp32) += the block's (dK, dV), in place (the first chunk's rows only
-    for a kv-first block)."""
-    if plan == KV_FIRST:  # [2, b, g, s, d] -> the first half of s
-        acc = acc[:, :, :, : acc.shape[3] // 2]
-    acc[0] += grads[0]
-    acc[1] += grads[1]
+def block_backward(q, kv, rows: _Rows, pieces: List[Piece], kernel: AttentionKernel, scale, dq):
+    """Add the block's dq into `dq` (fp32, in place); return each piece's (piece, dK, dV) for
+    add_block_grads."""
+    grads = []
+    for p in pieces:
+        q_p, k_p, v_p = _piece_inputs(q, kv, p)
+        dout_p, out_p, lse_p = rows.of(p)
+        dq_b, dk_b, dv_b = kernel.backward(dout_p, q_p, k_p, v_p, out_p, lse_p, p.causal, scale)
+        dq[_batch(p), :, p.q0 : p.q1] += dq_b
+        grads.append((p, dk_b, dv_b))
+    return grads
+
+
+def add_block_grads(acc, grads) -> None:
+    """acc [2, b, g, s, d] (fp32) += every piece's (dK, dV) on its key rows, in place."""
+    for p, dk, dv in grads:
+        acc[0, _batch(p), :, p.k0 : p.k1] += dk
+        acc[1, _batch(p), :, p.k0 : p.k1] += dv
 
 
 # ---- the double ring -------------------------------------------------------------------------------
@@ -153,13 +190,25 @@ class _Pair:
         return buf
 
 
-def ring_forward(q, k, v, rc: RingContext, kernel, scale, layer=None, causal=True, out=None, lse=None):
+Blocks = Callable[[int, int], List[Piece]]  # (query position j, key position src) -> pieces
+
+
+def _pieces(blocks: Blocks, j: int, src: int, layer, phase: str) -> List[Piece]:
+    pieces = blocks(j, src)
+    if not pieces:  # no document in common: neither kernel call nor merge (the ledger counts it)
+        LEDGER.record(layer, phase, "skip", "block", 0)
+    return pieces
+
+
+def ring_forward(q, k, v, rc: RingContext, kernel, scale, layer=None, blocks: Optional[Blocks] = None,
+                 out=None, lse=None):
     """Merge this rank's queries q [b, h, s, d] against every ring position's k/v [b, g, s, d]
-    into the accumulators (out, lse) -- None to start; the first block must be the causal diagonal
-    or a full block. Returns (out, lse): fp32 once two blocks were merged, lse always fp32."""
-    if rc.size == 1:  # no ring: one kernel call
-        block_out, block_lse = kernel.forward(q, k, v, causal, scale)
-        return merge(out, lse, block_out, block_lse, "all")
+    into the accumulators (out, lse) -- None to start, when the first block must be the diagonal;
+    `blocks` gives each block's pieces (default: plain causal). Returns (out, lse): fp32 once two
+    pieces were merged, lse always fp32."""
+    blocks = blocks if blocks is not None else plain_blocks(q.shape[2], k.shape[2])
+    if rc.size == 1:  # no ring: the diagonal block only
+        return block_forward(q, (k, v), _pieces(blocks, 0, 0, layer, "fwd"), kernel, scale, out, lse)
     kv = torch.stack([k, v])  # [2, b, g, s, d]: one message per step
     outer_bufs, inner_bufs = _Pair(kv, first=kv), _Pair(kv)
     for o in range(rc.outer_size):
@@ -168,9 +217,8 @@ def ring_forward(q, k, v, rc: RingContext, kernel, scale, layer=None, causal=Tru
         cur = kv
         for t in range(rc.inner_size):
             inner = rc.inner.send_recv(cur, inner_bufs.other_than(cur), layer, "fwd") if t + 1 < rc.inner_size else None
-            plan = step_plan(rc.ring_index, rc.source(o, t), causal)
-            block_out, block_lse = block_forward(q, cur, plan, kernel, scale)
-            out, lse = merge(out, lse, block_out, block_lse, "second" if plan == Q_SECOND else "all")
+            pieces = _pieces(blocks, rc.ring_index, rc.source(o, t), layer, "fwd")
+            out, lse = block_forward(q, cur, pieces, kernel, scale, out, lse)
             if inner is not None:
                 cur = inner.wait()
         if outer is not None:
@@ -178,7 +226,8 @@ def ring_forward(q, k, v, rc: RingContext, kernel, scale, layer=None, causal=Tru
     return out, lse
 
 
-def ring_backward(dout, q, k, v, out, lse, rc: RingContext, kernel, scale, layer=None, causal=True, dq=None):
+def ring_backward(dout, q, k, v, out, lse, rc: RingContext, kernel, scale, layer=None,
+                  blocks: Optional[Blocks] = None, dq=None):
     """Add this rank's dq (fp32 accumulator `dq`) over every ring block; return dK/dV of this
     rank's own k/v block as [2, b, g, s, d] fp32 (accumulated over all ranks' queries).
 
@@ -186,6 +235,7 @@ def ring_backward(dout, q, k, v, out, lse, rc: RingContext, kernel, scale, layer
     after W inner steps it is back where it started, and after every outer step it moves on to
     the next inner ring with the block. Each step computes its block before waiting for the
     accumulator it adds to, so every transfer -- outer ones included -- overlaps a kernel."""
+    blocks = blocks if blocks is not None else plain_blocks(q.shape[2], k.shape[2])
     kv = torch.stack([k, v])
     rows = _Rows(dout, out, lse)
     acc = torch.zeros_like(kv, dtype=torch.float32)  # dK/dV of this rank's own block
@@ -197,11 +247,11 @@ def ring_backward(dout, q, k, v, out, lse, rc: RingContext, kernel, scale, layer
         cur = kv
         for t in range(rc.inner_size):
             inner = rc.inner.send_recv(cur, kv_inner.other_than(cur), layer, "bwd") if t + 1 < rc.inner_size else None
-            plan = step_plan(rc.ring_index, rc.source(o, t), causal)
-            grads = block_backward(q, cur, rows, plan, kernel, scale, dq)  # before the wait: overlap
+            pieces = _pieces(blocks, rc.ring_index, rc.source(o, t), layer, "bwd")
+            grads = block_backward(q, cur, rows, pieces, kernel, scale, dq)  # before the wait: overlap
             if incoming is not None:
                 acc = incoming.wait()
-            add_block_grads(acc, plan, grads)
+            add_block_grads(acc, grads)
             incoming = rc.inner.send_recv(acc, acc_inner.other_than(acc), layer, "bwd") if rc.inner_size > 1 else None
             if inner is not None:
                 cur = inner.wait()
@@ -215,48 +265,73 @@ def ring_backward(dout, q, k, v, out, lse, rc: RingContext, kernel, scale, layer
     return incoming.wait() if incoming is not None else acc
 
 
+def _blocks(documents, q, k, q_segment: int, k_segment: int) -> Blocks:
+    """The pieces of every block between q_segment's queries and k_segment's keys: by packed
+    documents (a DocumentLayout), or plain causal / full."""
+    if documents is None:
+        return plain_blocks(q.shape[2], k.shape[2], q_segment == k_segment)
+    return lambda j, src: documents.pieces(q_segment, k_segment, j, src)
+
+
+def _prefix_met(prefix, documents, index: int, rc: RingContext, layer, phase: str):
+    """(j, (k_j, v_j)) of the earlier segments this one's documents reach. The others' ring
+    passes are skipped whole -- no kernel call and no transfer, on every rank alike -- and
+    counted in the ledger as R skipped blocks."""
+    for j, kv in enumerate(prefix):
+        if documents is None or documents.meet(index, j):
+            yield j, kv
+        else:
+            for _ in range(rc.size):
+                LEDGER.record(layer, phase, "skip", "block", 0)
+
+
 class _RingAttention(torch.autograd.Function):
     """Causal ring attention over this segment's keys, plus full attention over the cached keys
-    and values of the micro-batch's earlier Seq1F1B segments (`segment`, or None)."""
+    and values of the micro-batch's earlier Seq1F1B segments (`segment`, or None), within
+    documents when `documents` (a DocumentLayout) is given."""
 
     @staticmethod
-    def forward(ctx, q, k, v, rc, kernel, scale, layer, cached, segment):
+    def forward(ctx, q, k, v, rc, kernel, scale, layer, cached, segment, documents):
+        index = segment.index if segment is not None else 0
         prefix = segment.prefix(layer) if segment is not None else []
         if cached is not None:
             out, lse = cached
         else:
-            out, lse = ring_forward(q, k, v, rc, kernel, scale, layer)
-            for k_j, v_j in prefix:
-                out, lse = ring_forward(q, k_j, v_j, rc, kernel, scale, layer, False, out, lse)
+            out, lse = ring_forward(q, k, v, rc, kernel, scale, layer, _blocks(documents, q, k, index, index))
+            for j, (k_j, v_j) in _prefix_met(prefix, documents, index, rc, layer, "fwd"):
+                out, lse = ring_forward(q, k_j, v_j, rc, kernel, scale, layer, _blocks(documents, q, k_j, index, j),
+                                        out, lse)
             out = out.to(q.dtype)
         if segment is not None:
             segment.keep(layer, k.detach(), v.detach())
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (rc, kernel, scale, layer, segment)
+        ctx.args = (rc, kernel, scale, layer, segment, documents)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        rc, kernel, scale, layer, segment = ctx.args
+        rc, kernel, scale, layer, segment, documents = ctx.args
         dout = grad_like(dout, out)  # the kernels take dout in out's layout
-        if rc.size == 1 and segment is None:  # local attention: the kernel's backward as is
-            dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, True, scale)
-            return dq, dk, dv, None, None, None, None, None, None
+        none = (None,) * 7
+        if rc.size == 1 and segment is None and documents is None:  # local attention: the kernel's backward as is
+            return (*kernel.backward(dout, q, k, v, out, lse, True, scale), *none)
+        index = segment.index if segment is not None else 0
         dq = torch.zeros_like(q, dtype=torch.float32)
-        dkv = ring_backward(dout, q, k, v, out, lse, rc, kernel, scale, layer, True, dq)
+        dkv = ring_backward(dout, q, k, v, out, lse, rc, kernel, scale, layer, _blocks(documents, q, k, index, index), dq)
         if segment is not None:
-            for j, (k_j, v_j) in enumerate(segment.prefix(layer)):
-                segment.add_grad(layer, j, ring_backward(dout, q, k_j, v_j, out, lse, rc, kernel, scale, layer, False, dq))
+            for j, (k_j, v_j) in _prefix_met(segment.prefix(layer), documents, index, rc, layer, "bwd"):
+                blocks = _blocks(documents, q, k_j, index, j)
+                segment.add_grad(layer, j, ring_backward(dout, q, k_j, v_j, out, lse, rc, kernel, scale, layer, blocks, dq))
             later = segment.take_grad(layer)  # what later segments sent back to this one
             if later is not None:
                 dkv = dkv + later
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), *none
 
 
-def ring_attention(q, k, v, rc: RingContext, kernel, scale, layer=None, cached=None, segment=None):
+def ring_attention(q, k, v, rc: RingContext, kernel, scale, layer=None, cached=None, segment=None, documents=None):
     """(out, lse) of causal attention of this rank's queries over the whole ring's keys (and the
-    earlier segments' keys). `cached` = (out, lse) from an earlier forward skips the computation
-    (Selective Checkpoint++)."""
-    return _RingAttention.apply(q, k, v, rc, kernel, scale, layer, cached, segment)
+    earlier segments' keys), within packed documents when `documents` is given. `cached` =
+    (out, lse) from an earlier forward skips the computation (Selective Checkpoint++)."""
+    return _RingAttention.apply(q, k, v, rc, kernel, scale, layer, cached, segment, documents)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.utils import get_model_config
+from megatron.longseq.attention.placement import DOCUMENT_STARTS
 from megatron.longseq.attention.segments import SegmentSlot, SegmentState
 from megatron.longseq.pipeline.p2p import Inbox, Outbox, sent_messages
 from megatron.longseq.pipeline.plan import Op, rank_schedule
@@ -144,9 +145,10 @@ class _Runner:
             bounds = [0]
             for n in self.pipe.segment_tokens:
                 bounds.append(bounds[-1] + n)
-            # [b, s] -> k x [b, n_s] (per-token tensors along the sequence)
-            self.segments[m] = [{key: val[:, a:b].contiguous() for key, val in batch.items()}
-                                for a, b in zip(bounds, bounds[1:])]
+            # [b, s] -> k x [b, n_s] (per-token tensors along the sequence; the whole samples'
+            # document starts go to every segment as they are)
+            self.segments[m] = [{key: val if key == DOCUMENT_STARTS else val[:, a:b].contiguous()
+                                 for key, val in batch.items()} for a, b in zip(bounds, bounds[1:])]
             self.states[m] = SegmentState()
         seg = dict(self.segments[m][s])
         if self.k > 1:

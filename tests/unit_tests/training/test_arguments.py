@@ -105,7 +105,6 @@ def test_padded_vocab_matches_megatron():
      "--num-attention-heads 12 --hidden-size 96", 4,
      "head-parallel size 4: 6 KV heads per tensor-parallel rank and head-parallel size 4: one must divide the other"),
     ("--context-parallel-size 2 --hidden-dropout 0 --attention-dropout 0.1", 2, "--attention-dropout must be 0"),
-    ("--context-parallel-size 2 --attention-dropout 0 --reset-attention-mask", 2, "--reset-attention-mask is not supported"),
     ("--selective-checkpoint-pp", 1, "--selective-checkpoint-pp needs --recompute-granularity full"),
     ("--cp-comm-type a2a p2p", 1, "--cp-comm-type takes one value for all layers"),
     ("--save-interval 5", 1, "--save-interval needs --save"),

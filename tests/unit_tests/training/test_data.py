@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.longseq.attention.placement import DOCUMENT_STARTS, RankTokens, TokenPlacement, segmented_token_indices
 from megatron.training.data import PretrainingSampler, build_datasets
 from megatron.training.tokenizer import build_tokenizer
 from tools import preprocess_data
@@ -91,9 +92,16 @@ def test_preprocess_writes_what_gpt_dataset_reads(corpus, tmp_path, workers):
     train, valid, test = build_datasets(args, tok, [10, 4, 4])
     assert train.config.mmap_bin_files == args.mmap_bin_files
     sample = train[0]
-    assert sample["tokens"].shape == (16,) and sample["attention_mask"].shape == (1, 16, 16)
+    assert sample["tokens"].shape == (16,) and "attention_mask" not in sample  # never a dense [S, S] mask
     tokens, mask = sample["tokens"].numpy(), sample["loss_mask"].numpy()
     assert (tokens == tok.eod).any() and np.all(mask[tokens == tok.eod] == 0)  # --eod-mask-loss: no prediction from EOD
+    # the documents travel as their starts: a new one after every EOD; positions restart there
+    ranked = RankTokens(train, TokenPlacement([16], 1, 2, 0, 1), tok.eod)[0]
+    starts = ranked[DOCUMENT_STARTS]
+    assert starts[0] and torch.equal(starts[1:], sample["tokens"][:-1] == tok.eod)
+    assert torch.equal(sample["position_ids"][starts], torch.zeros(int(starts.sum()), dtype=torch.long))
+    want = segmented_token_indices([16], 1, 2, 0, 1, starts)
+    assert torch.equal(ranked["tokens"], sample["tokens"][want]) and len(want) == 8
 
 
 def test_null_tokenizer_corpus_of_ids(tmp_path):
