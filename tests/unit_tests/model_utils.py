@@ -35,7 +35,17 @@ def tiny_batch(args, seed: int = 0):
 
 
 def lm_loss(model, args, seed: int = 0):
-    """Mean per-token loss of one tiny batch."""
+    """Mean per-token loss of one tiny batch (packed documents with --reset-attention-mask)."""
     tokens, labels, positions = tiny_batch(args, seed)
-    losses = model(tokens, positions, None, labels=labels, packed_seq_params=AttentionInputs(position_ids=positions))
+    starts = tiny_documents(args, seed) if args.reset_attention_mask else None
+    losses = model(tokens, positions, None, labels=labels,
+                   packed_seq_params=AttentionInputs(position_ids=positions, document_starts=starts))
     return losses.float().mean()
+
+
+def tiny_documents(args, seed: int = 0):
+    """[b, s] document starts: documents of random lengths (about 1 in 6 tokens starts one)."""
+    g = torch.Generator().manual_seed(seed + 1)
+    starts = torch.rand(args.micro_batch_size, args.seq_length, generator=g) < 1 / 6
+    starts[:, 0] = True
+    return starts

@@ -89,6 +89,12 @@ class LongSeqCoreAttention(MegatronModule):
                 attention_bias=None, packed_seq_params=None):
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported")
+        if _is_thd(packed_seq_params):  # megatron-core's packed format: q [t, h, d], documents by cu_seqlens
+            inputs = thd_inputs(packed_seq_params, query.shape[0], self.cp)
+            # [t, h, d] -> [t, 1, h, d]: one sample of t tokens; out [t, 1, h*d] -> [t, h*d]
+            out = self.forward(*(x.unsqueeze(1) for x in (query, key, value)), attention_mask,
+                               packed_seq_params=inputs)
+            return out.squeeze(1)
         memo = active_layer()
         if memo is None:
             return self._forward(query, key, value, attention_mask, packed_seq_params)[0]
@@ -201,6 +207,30 @@ class _KeptAttention(torch.autograd.Function):
             again, _ = module._forward(*inputs, None, params, (out, lse))
         torch.autograd.backward(again, dout)
         return inputs[0].grad, inputs[1].grad, inputs[2].grad, None, None, None
+
+
+def _is_thd(params) -> bool:
+    return isinstance(params, PackedSeqParams) and not isinstance(params, AttentionInputs) and params.qkv_format == "thd"
+
+
+def thd_inputs(params: PackedSeqParams, tokens: int, cp: ContextParallel) -> AttentionInputs:
+    """megatron-core's PackedSeqParams (qkv_format 'thd', one pack of `tokens` tokens whose
+    documents end at cu_seqlens) as our metadata: document starts, and positions restarting at
+    every document. Context parallelism places packed documents itself (the data loader's
+    placement), so a pack sharded elsewhere is refused."""
+    cu = params.cu_seqlens_q
+    if cp.size > 1:
+        raise ValueError("megatron-core's packed 'thd' batches work at --context-parallel-size 1; with context "
+                         "parallelism use --reset-attention-mask (this project's data loader places the documents)")
+    for other in (params.cu_seqlens_kv, params.cu_seqlens_q_padded, params.cu_seqlens_kv_padded):
+        if other is not None and not torch.equal(other, cu):
+            raise ValueError("packed 'thd' batches need the same cu_seqlens for queries and keys, unpadded")
+    starts = torch.zeros(1, tokens, dtype=torch.bool)
+    starts[0, cu[:-1].cpu().long()] = True
+    starts[0, 0] = True
+    first = torch.searchsorted(cu[:-1].cpu().long(), torch.arange(tokens), right=True) - 1
+    positions = torch.arange(tokens) - cu[:-1].cpu().long()[first.clamp(min=0)]
+    return AttentionInputs(position_ids=positions.unsqueeze(0).to(cu.device), document_starts=starts)
 
 
 def dense_document_mask(starts: torch.Tensor) -> torch.Tensor:

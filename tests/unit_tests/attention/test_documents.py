@@ -281,3 +281,26 @@ def test_layout_gives_every_rank_what_the_data_loader_placed():
             assert torch.equal(torch.cat([layout.tokens(b, 0, j), layout.tokens(b, 1, j)]), want)
     with pytest.raises(ValueError, match="do not add up"):
         DocumentLayout(starts, ring=4, segment_lengths=[16, 8])
+
+
+def test_megatron_core_packed_thd_batches_attend_by_their_cu_seqlens():
+    """megatron-core's PackedSeqParams (qkv_format 'thd'): q [t, h, d], documents ending at
+    cu_seqlens; the same output as one sample carrying those documents' starts, with positions
+    restarting at each document."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    gen = torch.Generator().manual_seed(5)
+    t, lengths = 24, [5, 11, 8]
+    q, k, v = (torch.randn(t, n, 16, generator=gen) for n in (4, 2, 2))
+    cu = torch.tensor([0, 5, 16, 24], dtype=torch.int32)
+    attn = module(config())
+    packed = attn(q, k, v, None, packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu))
+    starts = starts_of(lengths, t).unsqueeze(0)
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    want = attn(*(x.unsqueeze(1) for x in (q, k, v)), None,
+                packed_seq_params=AttentionInputs(position_ids=positions, document_starts=starts))
+    assert packed.shape == (t, 4 * 16)
+    torch.testing.assert_close(packed, want.squeeze(1), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="same cu_seqlens"):
+        attn(q, k, v, None, packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu,
+                                                              cu_seqlens_kv=torch.tensor([0, 24], dtype=torch.int32)))

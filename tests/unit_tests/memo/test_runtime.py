@@ -20,6 +20,8 @@ GQA_ROPE = ("--group-query-attention --num-query-groups 2 --position-embedding-t
 CASES = {
     "mha-learned": "--num-layers 4",
     "gqa-rope-swiglu-rms": "--num-layers 5 " + GQA_ROPE,
+    # packed documents: attention by document pieces, saved and replayed like plain causal
+    "gqa-rope-documents": "--num-layers 4 --reset-attention-mask " + GQA_ROPE,
     # torch's SDPA (it draws the dropout mask): everything it saves is offloaded whole
     "mha-attention-dropout": "--num-layers 4 --attention-dropout 0.25",
 }
