@@ -7,6 +7,14 @@
 Each row is a pretrain_gpt.py flag set: --context-parallel-size, --cp-comm-type a2a+p2p,
 --hierarchical-context-parallel-sizes HP RING, --cp-inner-ring-size W, --cp-placement.
 Times are one attention layer's forward + backward by the model, for comparing layouts.
+
+Packed documents (--reset-attention-mask): --document-mean-length L draws sample packs of
+log-normal document lengths; the layouts are then ranked on the work the documents leave, and
+--document-balance prints how evenly each ring size's positions share it, this project's
+placement against Megatron's chunks:
+
+    python tools/plan_context_parallel.py --document-balance --seq-length 131072 \
+        --document-mean-length 4096 --context-parallel-size 8 16
 """
 from __future__ import annotations
 
@@ -16,25 +24,73 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.longseq.attention.cost_model import Cluster, Workload, rank_plans  # noqa: E402
+import torch  # noqa: E402
+
+from megatron.longseq.attention.cost_model import Cluster, Workload, attention_fraction, rank_plans  # noqa: E402
+from megatron.longseq.attention.documents import (balanced_ring_tokens, lognormal_starts,  # noqa: E402
+                                                   work_imbalance)
+from megatron.longseq.attention.placement import ring_chunks  # noqa: E402
+
+
+def document_packs(args):
+    """Sample packs of log-normal document lengths (empty without --document-mean-length)."""
+    if args.document_mean_length is None:
+        return ()
+    g = torch.Generator().manual_seed(args.seed)
+    return tuple(lognormal_starts(args.seq_length, args.document_mean_length, args.document_sigma, g)
+                 for _ in range(args.document_samples))
+
+
+def balance_table(packs, ring_sizes) -> str:
+    """max / mean causal work per ring position, this project's placement vs Megatron's chunks."""
+    lines = [f"{'ring':>5} {'ours mean':>10} {'ours worst':>11} {'megatron mean':>14} {'megatron worst':>15}"]
+    for ring in ring_sizes:
+        ours = [work_imbalance(s, balanced_ring_tokens(s, ring)) for s in packs]
+        chunks = [work_imbalance(s, [ring_chunks(s.numel(), ring, j) for j in range(ring)]) for s in packs]
+        lines.append(f"{ring:>5} {sum(ours) / len(ours):>10.4f} {max(ours):>11.4f} "
+                     f"{sum(chunks) / len(chunks):>14.4f} {max(chunks):>15.4f}")
+    return "\n".join(lines)
+
+
+def _document_balance(p, args):
+    if args.document_mean_length is None:
+        p.error("--document-balance needs --document-mean-length")
+    bad = [n for n in args.context_parallel_size if args.seq_length % (2 * n)]
+    if bad:
+        p.error(f"--seq-length {args.seq_length} is not divisible by 2 x ring size {bad[0]}")
+    packs = document_packs(args)
+    print(f"S={args.seq_length}, {len(packs)} packs of log-normal documents (mean {args.document_mean_length}, "
+          f"sigma {args.document_sigma}, seed {args.seed}); max/mean attention work per ring position")
+    print(balance_table(packs, args.context_parallel_size))
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--seq-length", type=int, required=True)
-    p.add_argument("--hidden-size", type=int, required=True)
-    p.add_argument("--num-attention-heads", type=int, required=True)
+    p.add_argument("--hidden-size", type=int)
+    p.add_argument("--num-attention-heads", type=int)
     p.add_argument("--num-query-groups", type=int, help="KV heads (default: MHA)")
-    p.add_argument("--context-parallel-size", type=int, required=True)
+    p.add_argument("--context-parallel-size", type=int, nargs="+", required=True,
+                   help="one size to plan; with --document-balance, every ring size to compare")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--nics-per-node", type=int, default=4)
     p.add_argument("--intra-node-gbps", type=float, default=300.0, help="GB/s per GPU (NVLink)")
     p.add_argument("--nic-gbps", type=float, default=25.0, help="GB/s per NIC")
     p.add_argument("--attention-tflops", type=float, default=300.0, help="sustained per GPU")
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--document-mean-length", type=float, help="packed documents of this mean length")
+    p.add_argument("--document-sigma", type=float, default=1.0, help="log-normal shape of the lengths")
+    p.add_argument("--document-samples", type=int, default=64, help="sample packs drawn")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--document-balance", action="store_true", help="print the placement balance table only")
     args = p.parse_args(argv)
+    if args.document_balance:
+        return _document_balance(p, args)
+    if args.hidden_size is None or args.num_attention_heads is None or len(args.context_parallel_size) != 1:
+        p.error("planning needs --hidden-size, --num-attention-heads and one --context-parallel-size")
+    args.context_parallel_size = args.context_parallel_size[0]
     work = Workload(args.seq_length, args.hidden_size, args.num_attention_heads,
-                    args.num_query_groups or args.num_attention_heads)
+                    args.num_query_groups or args.num_attention_heads, documents=document_packs(args))
     cluster = Cluster(args.gpus_per_node, args.nics_per_node, args.intra_node_gbps, args.nic_gbps,
                       args.attention_tflops)
     plans = rank_plans(work, cluster, args.context_parallel_size)
@@ -42,6 +98,9 @@ def main(argv=None):
         p.error("no legal layout: the heads do not split over any head-parallel size")
     print(f"S={work.seq_length} D={work.hidden} H={work.heads} H_kv={work.kv_heads} d_sp={args.context_parallel_size} "
           f"| {cluster.gpus_per_node} GPUs x {cluster.nics_per_node} NICs per node")
+    if work.documents:
+        print(f"packed documents (mean {args.document_mean_length:g}): attention work left at ring "
+              f"{args.context_parallel_size}: {attention_fraction(work, args.context_parallel_size):.3f} of causal")
     print(f"{'rank':>4} {'hp':>4} {'ring':>5} {'inner':>5} {'placement':>13} {'alltoall ms':>12} "
           f"{'ring ms':>9} {'total ms':>9}  inter-node p2p")
     for i, plan in enumerate(plans[: args.top], 1):

@@ -6,6 +6,8 @@ For one attention layer on d_sp GPUs, S tokens, hidden D, H heads, H_kv KV heads
   T_ring^fwd = A (w-1) + B,  A = max(T_comp, T_p2p_inner), B = max(T_comp, T_p2p_outer)
   AlltoAll   = sum over q, k, v, out of Size(i) (d_hp-1)/d_hp, forward and backward (4.5.4)
   T          = T_SeqAlltoAll + (T_ring^fwd + T_ring^bwd) x d_cp/w                  (4.5.4)
+With packed documents T_comp is scaled by the slowest position's share of the causal work that
+the documents leave (attention_fraction); the transfers stay.
 Which transfers cross nodes comes from the rank grid (placement decides who sits together);
 concurrent inter-node flows of a node share its NICs. The backward ring carries KV and the fp32
 dK/dV accumulators (3x the forward bytes), as our implementation does.
@@ -13,8 +15,10 @@ dK/dV accumulators (3x the forward bytes), as our implementation does.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from functools import lru_cache
+from typing import List, Optional, Tuple
 
+from megatron.longseq.attention.documents import balanced_ring_tokens, causal_work
 from megatron.longseq.attention.placement import split_heads
 from megatron.longseq.parallel_state import PLACEMENTS, RankGrid
 
@@ -35,6 +39,29 @@ class Workload:
     heads: int
     kv_heads: int
     bytes_per_element: int = 2
+    # packed documents (--reset-attention-mask): sample packs' document starts [S] each; empty
+    # for plain causal attention
+    documents: Tuple = ()
+
+
+def attention_fraction(work: Workload, ring: int) -> float:
+    """The slowest ring position's attention work relative to plain causal attention's, on the
+    workload's packed documents placed as the data loader places them (1.0 without documents).
+    Blocks and pieces that meet no document are skipped, so compute shrinks; the KV blocks still
+    travel the whole ring, so communication does not."""
+    if not work.documents:
+        return 1.0
+    return _fraction(work.documents, ring)
+
+
+@lru_cache(maxsize=None)
+def _fraction(documents: Tuple, ring: int) -> float:
+    total = 0.0
+    for starts in documents:
+        s = starts.numel()
+        slowest = max(causal_work(starts, t) for t in balanced_ring_tokens(starts, ring))
+        total += slowest * ring / (s * (s + 1) / 2)
+    return total / len(documents)
 
 
 @dataclass
@@ -86,7 +113,7 @@ def evaluate(work: Workload, cluster: Cluster, hp: int, ring: int, inner: int, p
     head_dim = work.hidden / work.heads
     # computation per micro-step: the balanced causal block is half of (S/d_cp)^2, H/hp heads,
     # 4 FLOPs per (query, key, channel) for QK^T and PV
-    block = 0.5 * (work.seq_length / ring) ** 2 * (work.heads / hp) * head_dim * 4
+    block = 0.5 * (work.seq_length / ring) ** 2 * (work.heads / hp) * head_dim * 4 * attention_fraction(work, ring)
     t_fwd = block / (cluster.attention_tflops * 1e12)
     t_bwd = 3 * t_fwd
     kv_bytes = 2 * (kv_heads_after / work.heads) * tokens * work.hidden * work.bytes_per_element

@@ -186,3 +186,31 @@ def block_pieces(q_tokens: Tensor, k_tokens: Tensor, doc_of: Tensor) -> List[Pie
 
 def _end_row(runs: Sequence[_Run]) -> int:
     return runs[-1].row + runs[-1].end - runs[-1].start
+
+
+# ---- balance ---------------------------------------------------------------------------------------
+
+def causal_work(starts: Tensor, tokens: Tensor) -> int:
+    """(query, key) pairs the queries `tokens` attend in a sample with document starts [S]:
+    each query sees its document's tokens up to itself. Attention FLOPs are proportional."""
+    index = torch.arange(starts.numel())
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(0).values  # each token's document start
+    return int((index - first + 1)[tokens].sum())
+
+
+def work_imbalance(starts: Tensor, tokens: List[Tensor]) -> float:
+    """max / mean causal work over the ring positions holding `tokens` (1.0: perfectly even; a
+    ring step waits for its slowest position)."""
+    work = [causal_work(starts, t) for t in tokens]
+    return max(work) * len(work) / sum(work)
+
+
+def lognormal_starts(seq: int, mean: float, sigma: float, generator: torch.Generator) -> Tensor:
+    """[seq] starts of a sample packed with documents of log-normal lengths (mean `mean`, shape
+    `sigma`), the last one cut where the sample ends."""
+    mu = torch.log(torch.tensor(mean)) - sigma ** 2 / 2  # E[exp(N(mu, sigma^2))] = mean
+    starts, at = torch.zeros(seq, dtype=torch.bool), 0
+    while at < seq:
+        starts[at] = True
+        at += max(1, int(torch.exp(mu + sigma * torch.randn((), generator=generator))))
+    return starts
