@@ -96,13 +96,13 @@ CASES = [
          "full --recompute-method block --recompute-num-layers 1".split(), "gpt_dropout"),
     Case("gpt_documents", 1, DOCUMENTS + ["--position-embedding-type", "rope"], data=True),
     Case("gpt_documents_dp2", 2, DOCUMENTS + ["--position-embedding-type", "rope"], "gpt_documents", data=True),
-    # Packed documents under every context-parallel mode and Seq1F1B, on the one-rank curve.
+    # Packed documents under every context-parallel mode, with TP and Seq1F1B, on the one-rank curve.
     Case("gpt_documents_cp2_ring", 2, DOCUMENTS + (
         "--position-embedding-type rope --context-parallel-size 2 --cp-comm-type p2p").split(),
         "gpt_documents", data=True),
-    Case("gpt_documents_cp2_ulysses", 2, DOCUMENTS + (
-        "--position-embedding-type rope --context-parallel-size 2 --cp-comm-type a2a").split(),
-        "gpt_documents", data=True),
+    Case("gpt_documents_tp2_cp2_ulysses", 4, DOCUMENTS + (
+        "--position-embedding-type rope --tensor-model-parallel-size 2 --context-parallel-size 2 "
+        "--cp-comm-type a2a").split(), "gpt_documents", data=True),
     Case("gpt_documents_cp4_2d_context_first", 4, DOCUMENTS + (
         "--position-embedding-type rope --context-parallel-size 4 --cp-comm-type a2a+p2p "
         "--hierarchical-context-parallel-sizes 2 2 --cp-placement context-first").split(), "gpt_documents", data=True),
