@@ -61,7 +61,6 @@ CASES = [
     # Context parallelism: ring, Ulysses, Double-Ring and 2D attention, with TP and with
     # Selective Checkpoint++, on the single-rank curves.
     Case("gpt_base_cp2_ring", 2, "--context-parallel-size 2 --cp-comm-type p2p".split(), "gpt_base"),
-    Case("gpt_base_cp2_ulysses", 2, "--context-parallel-size 2 --cp-comm-type a2a".split(), "gpt_base"),
     Case("gpt_llama_cp4_2d_context_first", 4, LLAMA + (
         "--context-parallel-size 4 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 2 "
         "--cp-placement context-first").split(), "gpt_llama"),
@@ -95,14 +94,13 @@ CASES = [
     Case("gpt_dropout_recompute", 1, "--hidden-dropout 0.1 --attention-dropout 0.1 --recompute-granularity "
          "full --recompute-method block --recompute-num-layers 1".split(), "gpt_dropout"),
     Case("gpt_documents", 1, DOCUMENTS + ["--position-embedding-type", "rope"], data=True),
-    Case("gpt_documents_dp2", 2, DOCUMENTS + ["--position-embedding-type", "rope"], "gpt_documents", data=True),
-    # Packed documents under every context-parallel mode, with TP and Seq1F1B, on the one-rank curve.
+    # Packed documents under every context-parallel mode and Seq1F1B, on the one-rank curve.
     Case("gpt_documents_cp2_ring", 2, DOCUMENTS + (
         "--position-embedding-type rope --context-parallel-size 2 --cp-comm-type p2p").split(),
         "gpt_documents", data=True),
-    Case("gpt_documents_tp2_cp2_ulysses", 4, DOCUMENTS + (
-        "--position-embedding-type rope --tensor-model-parallel-size 2 --context-parallel-size 2 "
-        "--cp-comm-type a2a").split(), "gpt_documents", data=True),
+    Case("gpt_documents_cp2_ulysses", 2, DOCUMENTS + (
+        "--position-embedding-type rope --context-parallel-size 2 --cp-comm-type a2a").split(),
+        "gpt_documents", data=True),
     Case("gpt_documents_cp4_2d_context_first", 4, DOCUMENTS + (
         "--position-embedding-type rope --context-parallel-size 4 --cp-comm-type a2a+p2p "
         "--hierarchical-context-parallel-sizes 2 2 --cp-placement context-first").split(), "gpt_documents", data=True),

@@ -130,8 +130,8 @@ class LongSeqCoreAttention(MegatronModule):
             if self.cp.size > 1 or params.segment is not None:
                 raise ValueError("attention dropout and dense attention masks need --context-parallel-size 1 "
                                  "and --pipe-sp-splits 1")
-            if attention_mask is None and params.document_starts is not None:
-                attention_mask = dense_document_mask(params.document_starts)
+            if attention_mask is None and params.document_starts is not None:  # the starts live on the host
+                attention_mask = dense_document_mask(params.document_starts).to(query.device)
             out = self._sdpa(*(x.permute(1, 2, 0, 3) for x in (query, key, value)), attention_mask, dropout)
             return out.permute(2, 0, 1, 3).reshape(sq, b, -1), None  # [b, h, s, d] -> [s, b, h*d]
         out, lse = self._two_d(query, key, value, params, kept)
