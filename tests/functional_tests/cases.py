@@ -47,7 +47,6 @@ CASES = [
     Case("gpt_base", 1),
     Case("gpt_base_tp2", 2, ["--tensor-model-parallel-size", "2"], "gpt_base"),
     Case("gpt_base_dp2", 2, [], "gpt_base"),
-    Case("gpt_base_tp2_dp2", 4, ["--tensor-model-parallel-size", "2"], "gpt_base"),
     Case("gpt_base_dp2_distopt_overlap", 2,
          "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 20000".split(),
          "gpt_base"),
@@ -61,17 +60,14 @@ CASES = [
     # Context parallelism: ring, Ulysses, Double-Ring and 2D attention, with TP and with
     # Selective Checkpoint++, on the single-rank curves.
     Case("gpt_base_cp2_ring", 2, "--context-parallel-size 2 --cp-comm-type p2p".split(), "gpt_base"),
-    Case("gpt_llama_cp4_2d_context_first", 4, LLAMA + (
+    Case("gpt_llama_cp4_2d_context_first_selective_checkpoint_pp", 4, LLAMA + (
         "--context-parallel-size 4 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 2 "
-        "--cp-placement context-first").split(), "gpt_llama"),
+        "--cp-placement context-first --recompute-granularity full --recompute-method uniform "
+        "--recompute-num-layers 1 --selective-checkpoint-pp").split(), "gpt_llama"),
     Case("gpt_llama_cp4_double_ring", 4, LLAMA + (
         "--context-parallel-size 4 --cp-comm-type p2p --cp-inner-ring-size 2").split(), "gpt_llama"),
     Case("gpt_llama_tp2_cp2_ulysses_kv_replicated", 4, LLAMA + (
         "--tensor-model-parallel-size 2 --context-parallel-size 2 --cp-comm-type a2a").split(), "gpt_llama"),
-    Case("gpt_llama_cp4_2d_selective_checkpoint_pp", 4, LLAMA + (
-        "--context-parallel-size 4 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 2 "
-        "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
-        "--selective-checkpoint-pp").split(), "gpt_llama"),
     # Pipelines: 1F1B and Seq1F1B, interleaved, with TP and CP, on the single-rank curves.
     Case("gpt_base_pp2_1f1b", 2, "--pipeline-model-parallel-size 2".split(), "gpt_base"),
     Case("gpt_base_pp2_seq1f1b_k4", 2, "--pipeline-model-parallel-size 2 --pipe-sp-splits 4".split(), "gpt_base"),
