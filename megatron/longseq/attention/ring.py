@@ -11,8 +11,8 @@ Against a block from src, by position order of the chunks (all blocks are full e
   src >  j : only the second query chunk (2R-1-j) sees the block, fully
 Each case is a list of pieces (query rows x key rows, causal or full: documents.Piece), so packed
 documents take the same path: their blocks split into one piece per document met on both sides
-(DocumentLayout), and a block with none is skipped. Partial (out, lse) are merged in fp32. Backward runs the kernel backward per block with the final
-out/lse; dK/dV accumulators (fp32) travel with their KV block and return to its owner.
+(DocumentLayout), and a block with none is skipped. Partial (out, lse) are merged in fp32.
+Backward runs the kernel backward per block with the final out/lse; dK/dV accumulators (fp32) travel with their KV block and return to its owner.
 """
 from __future__ import annotations
 

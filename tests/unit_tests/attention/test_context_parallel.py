@@ -79,14 +79,19 @@ MODES = {
 }
 
 
-def _all_modes(world):
+def each_mode(world, check_mode):
+    """check_mode(pgs, heads, groups) for every row of MODES[world]; a failure names its row."""
     for hp, ring, inner, placement, heads, groups in MODES[world]:
         pgs = grid_groups(cp=hp * ring, hp=hp, inner_ring=inner, placement=placement)
         try:
-            check(pgs, heads, groups)
+            check_mode(pgs, heads, groups)
         except AssertionError as err:
             raise AssertionError(f"hp={hp} ring={ring} inner={inner} {placement} heads={heads} "
                                  f"groups={groups}: {err}") from None
+
+
+def _all_modes(world):
+    each_mode(world, check)
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
