@@ -3,7 +3,6 @@ ranks: forward output and dq/dk/dv of each rank's tokens, plus the communication
 the papers' formulas. Each rank builds the full problem from one seed and checks its own share."""
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron.longseq.attention.context_parallel import ContextParallel
 from megatron.longseq.attention.core import AttentionInputs, LongSeqCoreAttention
