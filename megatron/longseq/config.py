@@ -1,9 +1,10 @@
 """megatron-core's TransformerConfig plus the fields our modules read."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.longseq.attention.rope import RopeScaling
 
 
 @dataclass
@@ -12,6 +13,7 @@ class LongSeqConfig(TransformerConfig):
     use_rope: bool = False
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)  # context extension (rope.py)
     # --recompute-granularity selective: recompute core attention in backward.
     recompute_core_attention: bool = False
     # Selective Checkpoint++ (LoongTrain 5.2): under full recompute keep attention (out, lse).

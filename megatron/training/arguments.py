@@ -45,7 +45,6 @@ UNSUPPORTED = {
     "--defer-embedding-wgrad-compute": "weight-gradient deferral is not implemented",
     "--error-injection-rate": "Megatron's rerun state machine is not implemented",
     "--error-injection-type": "Megatron's rerun state machine is not implemented",
-    "--finetune": "not implemented yet",
 }
 
 # megatron-core's StrictHandling values (spelled out: importing megatron.core costs seconds, and
@@ -115,10 +114,13 @@ def _model(p):
     g.add_argument("--rotary-percent", type=float, default=1.0)
     g.add_argument("--rotary-interleaved", action="store_true",
                    help="rotate channel pairs (2j, 2j+1) instead of (j, j + rot/2)")
+    _rope_scaling(p)
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
+    g.add_argument("--add-qkv-bias", action="store_true",
+                   help="biases on the query, key and value projections even with --disable-bias-linear (Qwen2)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--apply-layernorm-1p", action="store_true",
                    help="norm weights hold gamma - 1 (initialised to 0); the norm scales by 1 + weight")
@@ -286,6 +288,26 @@ def _training(p):
                         "transient fault from a reproducible one) is not implemented; a NaN loss stops the run")
 
 
+def _rope_scaling(p):
+    g = p.add_argument_group("RoPE context extension (one of llama3 or yarn; linear composes with either)")
+    g.add_argument("--rotary-seq-len-interpolation-factor", type=float, default=None,
+                   help="linear position interpolation: every RoPE frequency divided by this factor")
+    g.add_argument("--use-rope-scaling", action="store_true", help="Llama 3.1's RoPE scaling")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0, help="with --use-rope-scaling: its factor")
+    g.add_argument("--rope-type", choices=["rope", "yarn"], default=None, help="yarn: YaRN's RoPE scaling")
+    g.add_argument("--rotary-scaling-factor", type=float, default=1.0, help="with --rope-type yarn: its factor")
+    g.add_argument("--original-max-position-embeddings", type=int, default=None,
+                   help="the context the model was pretrained at, for llama3 and yarn (default: 8192 for "
+                        "llama3, 4096 for yarn, megatron-core's values)")
+    g.add_argument("--beta-fast", type=float, default=32.0,
+                   help="yarn: pairs turning more often than this over the original context keep their frequency")
+    g.add_argument("--beta-slow", type=float, default=1.0,
+                   help="yarn: pairs turning less often than this are interpolated fully")
+    g.add_argument("--mscale", type=float, default=1.0, help="yarn: numerator scalar of the attention factor")
+    g.add_argument("--mscale-all-dim", type=float, default=0.0,
+                   help="yarn: denominator scalar of the attention factor (0: none)")
+
+
 def _checkpoint_and_logging(p):
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", type=str)
@@ -295,6 +317,8 @@ def _checkpoint_and_logging(p):
     g.add_argument("--no-save-rng", action="store_true")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true",
+                   help="load the model only: no optimizer, RNG, scheduler or data position; start at iteration 0")
     g.add_argument("--ckpt-format", choices=["torch", "torch_dist"], default="torch_dist",
                    help="torch_dist: megatron-core's sharded format, loadable under any tp/pp/dp/cp layout; "
                         "torch: one file per model-parallel rank, loadable under the same tp and pp only")
@@ -400,7 +424,7 @@ _HELP = {
     '--attention-dropout': 'dropout on attention probabilities',
     '--init-method-std': 'std of the normal weight init',
     '--make-vocab-size-divisible-by': 'vocabulary padding multiple (times tp)',
-    '--vocab-size': 'vocabulary size for NullTokenizer',
+    '--vocab-size': "vocabulary size for NullTokenizer; with a text tokenizer, the model's rows when wider",
     '--tensor-model-parallel-size': 'tensor-parallel degree',
     '--pipeline-model-parallel-size': 'pipeline stages',
     '--context-parallel-size': 'sequence-parallel degree over ranks (ring, Ulysses or 2D: --cp-comm-type)',

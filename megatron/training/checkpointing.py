@@ -37,6 +37,12 @@ MUST_MATCH = ("num_layers", "hidden_size", "num_attention_heads", "num_query_gro
               "kv_channels", "padded_vocab_size", "position_embedding_type", "normalization", "swiglu",
               "add_bias_linear", "untie_embeddings_and_output_weights", "tensor_model_parallel_size",
               "pipeline_model_parallel_size")
+# Arguments recorded beside them, unchecked: what a converter needs to describe the model
+# (tools/checkpoint/convert.py writes the Hugging Face config from them).
+DESCRIBED = ("add_qkv_bias", "true_vocab_size", "norm_epsilon", "rotary_base", "rotary_percent", "rotary_interleaved",
+             "max_position_embeddings", "seq_length", "rotary_seq_len_interpolation_factor", "use_rope_scaling",
+             "rope_scaling_factor", "rope_type", "rotary_scaling_factor", "original_max_position_embeddings",
+             "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "qk_layernorm", "apply_layernorm_1p")
 # The layout: fixed for a torch-format checkpoint, free for a torch_dist one.
 LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
 FORMAT_FILE = "metadata.json"  # written last into a torch_dist checkpoint by megatron-core
@@ -59,7 +65,7 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _atomic_torch_save(obj, path: str) -> None:
+def atomic_torch_save(obj, path: str) -> None:
     tmp = path + ".part"
     with open(tmp, "wb") as f:
         torch.save(obj, f)
@@ -103,10 +109,10 @@ def save_checkpoint(args, state, pgs) -> str:
     sharded = state.optimizer.buffer.shards > 1
     if pgs.index("dp_cp") == 0:  # the model is replicated over dp x cp: one writer per (tp, pp)
         os.makedirs(rank_dir, exist_ok=True)
-        _atomic_torch_save(_main_file(args, state, sharded), os.path.join(rank_dir, "model_optim_rng.pt"))
+        atomic_torch_save(_main_file(args, state, sharded), os.path.join(rank_dir, "model_optim_rng.pt"))
     dist.barrier()
     if sharded and not args.no_save_optim:
-        _atomic_torch_save(state.optimizer.state_dict(), _shard_path(rank_dir, pgs))
+        atomic_torch_save(state.optimizer.state_dict(), _shard_path(rank_dir, pgs))
     dist.barrier()
     publish(args.save, tmp, final, iteration)
     return final
@@ -116,14 +122,19 @@ def publish(root: str, tmp: str, final: str, iteration: int) -> None:
     """Collective, after every rank's files are complete: rank 0 syncs the tree, renames it into
     place and only then points the tracker at it."""
     if dist.get_rank() == 0:
-        for path, _, _ in os.walk(tmp):
-            _fsync_dir(path)
-        if os.path.exists(final):  # saving the same iteration again: replace it
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(root)
-        _atomic_write_text(os.path.join(root, TRACKER), str(iteration))
+        publish_tree(root, tmp, final, str(iteration))
     dist.barrier()
+
+
+def publish_tree(root: str, tmp: str, final: str, tracker: str) -> None:
+    """Sync the finished tree `tmp`, rename it to `final` and only then write the tracker."""
+    for path, _, _ in os.walk(tmp):
+        _fsync_dir(path)
+    if os.path.exists(final):  # saving the same iteration again: replace it
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    _atomic_write_text(os.path.join(root, TRACKER), tracker)
 
 
 def _shard_path(rank_dir: str, pgs) -> str:
@@ -134,7 +145,7 @@ def _shard_path(rank_dir: str, pgs) -> str:
 def _main_file(args, state, sharded: bool) -> dict:
     obj = {
         "checkpoint_version": CHECKPOINT_VERSION,
-        "args": {k: getattr(args, k) for k in MUST_MATCH},
+        "args": saved_args(args),
         "iteration": state.iteration,
         **_model_states(state.model),
         "opt_param_scheduler": state.scheduler.state_dict(),
@@ -150,6 +161,21 @@ def _main_file(args, state, sharded: bool) -> dict:
 
 
 RELEASE = "release"
+# The Hugging Face config and tokenizer a converted model came with (tools/checkpoint/convert.py);
+# every checkpoint of a run that loaded one carries them on, so an export writes the same config.
+HF_CONFIG, TOKENIZER_DIR = "hf_config.json", "tokenizer"
+
+
+def carry_model_card(load: Optional[str], save: str) -> None:
+    """Copy --load's hf_config.json and tokenizer/ under --save (rank 0, once)."""
+    if not load or os.path.abspath(load) == os.path.abspath(save) or not os.path.isfile(os.path.join(load, HF_CONFIG)):
+        return
+    os.makedirs(save, exist_ok=True)
+    if not os.path.isfile(os.path.join(save, HF_CONFIG)):
+        shutil.copyfile(os.path.join(load, HF_CONFIG), os.path.join(save, HF_CONFIG))
+    tokenizer = os.path.join(load, TOKENIZER_DIR)
+    if os.path.isdir(tokenizer) and not os.path.isdir(os.path.join(save, TOKENIZER_DIR)):
+        shutil.copytree(tokenizer, os.path.join(save, TOKENIZER_DIR))
 
 
 def read_tracker(root: str):
@@ -184,29 +210,40 @@ def checkpoint_format(path: str, args) -> str:
 
 
 def load_checkpoint(args, state, pgs) -> bool:
-    """Fill `state` from the latest torch-format checkpoint under --load. False when there is none."""
+    """Fill `state` from the latest torch-format checkpoint under --load. False when there is none.
+    A released model (tracker `release`) or --finetune loads the model only, and training starts
+    afresh from it: iteration 0, a new optimizer, schedule, RNG and data position (Megatron's rule)."""
     path = latest_checkpoint(args.load)
     if path is None:
         return False
     rank_dir = os.path.join(path, rank_dir_name(pgs))
     obj = torch.load(os.path.join(rank_dir, "model_optim_rng.pt"), map_location="cpu", weights_only=False)
-    release, megatron = os.path.basename(path) == RELEASE, not isinstance(obj["args"], dict)
+    megatron = not isinstance(obj["args"], dict)
     check_args(_megatron_args(obj["args"]) if megatron else obj["args"], args)
     for key, model in zip(model_keys(state.model), unwrap(state.model)):
         model.load_state_dict(obj[key], strict=True)
     state.optimizer.reload_model_params()
-    if megatron and not args.no_load_optim and not release:
+    if os.path.basename(path) == RELEASE or args.finetune:
+        return True
+    if megatron and not args.no_load_optim:
         raise ValueError(f"{rank_dir} is Megatron-LM's: its optimizer state is laid out by Megatron's parameter "
                          f"groups and buffers, which this trainer does not read; load with --no-load-optim")
-    if not args.no_load_optim and not release:
-        sharded = state.optimizer.buffer.shards > 1
-        opt = (torch.load(_shard_path(rank_dir, pgs), map_location="cpu", weights_only=False)
-               if sharded else obj.get("optimizer"))
-        if opt is None:
-            raise ValueError(f"{rank_dir} holds no optimizer state; load with --no-load-optim")
-        state.optimizer.load_state_dict(opt)
-    if release:  # a released model starts training afresh
-        return True
+    if not args.no_load_optim:
+        _load_optimizer(state, obj, rank_dir, pgs)
+    _load_progress(args, state, obj, pgs, megatron)
+    return True
+
+
+def _load_optimizer(state, obj: dict, rank_dir: str, pgs) -> None:
+    sharded = state.optimizer.buffer.shards > 1
+    opt = torch.load(_shard_path(rank_dir, pgs), map_location="cpu", weights_only=False) if sharded else obj.get("optimizer")
+    if opt is None:
+        raise ValueError(f"{rank_dir} holds no optimizer state; load with --no-load-optim")
+    state.optimizer.load_state_dict(opt)
+
+
+def _load_progress(args, state, obj: dict, pgs, megatron: bool) -> None:
+    """Schedule, RNG streams, iteration and data position."""
     load_schedule(state.scheduler, obj["opt_param_scheduler"])
     if not args.no_load_rng and "rng_state" in obj:
         load_rng_state_dict(_megatron_rng(obj["rng_state"], pgs) if megatron else obj["rng_state"])
@@ -215,7 +252,6 @@ def load_checkpoint(args, state, pgs) -> bool:
     state.consumed_train_samples = counters.get("consumed_train_samples", 0)
     state.consumed_valid_samples = counters.get("consumed_valid_samples", 0)
     state.flops_so_far = obj.get("num_floating_point_operations_so_far", 0)
-    return True
 
 
 def _megatron_args(namespace) -> dict:
@@ -247,7 +283,12 @@ def load_schedule(scheduler, saved: dict) -> None:
                          "--override-opt_param-scheduler (this run's)") from None
 
 
+def saved_args(args) -> dict:
+    return {k: getattr(args, k, None) for k in MUST_MATCH + DESCRIBED}
+
+
 def check_args(saved: dict, args) -> None:
+    """Every MUST_MATCH value the checkpoint records equals this run's."""
     for key, value in saved.items():
-        if getattr(args, key) != value:
+        if key in MUST_MATCH and getattr(args, key) != value:
             raise ValueError(f"checkpoint has {key}={value} but this run has {getattr(args, key)}")

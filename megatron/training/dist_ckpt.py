@@ -45,7 +45,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 
 from megatron.longseq.random import load_rng_state_dict, rng_state_dict
 from megatron.training.checkpointing import (
-    CHECKPOINT_VERSION, LAYOUT_ARGS, MUST_MATCH, check_args, iteration_dir, load_schedule, model_keys, publish)
+    CHECKPOINT_VERSION, LAYOUT_ARGS, check_args, iteration_dir, load_schedule, model_keys, publish, saved_args)
 from megatron.training.model import unwrap
 from megatron.training.optimizer import MODEL_SPACE
 
@@ -119,7 +119,7 @@ def _common(args, state, pgs) -> dict:
     """Plain values (common.pt, written by rank 0): the same on every rank."""
     common = {
         "checkpoint_version": CHECKPOINT_VERSION,
-        "args": {k: getattr(args, k) for k in MUST_MATCH},
+        "args": saved_args(args),
         "layout": _layout(pgs),
         "iteration": state.iteration,
         "opt_param_scheduler": state.scheduler.state_dict(),
@@ -279,12 +279,12 @@ def load_checkpoint(args, state, pgs, path: str) -> None:
         verify_integrity(path)
     common = dist_checkpointing.load_common_state_dict(path)
     check_args({k: v for k, v in common["args"].items() if k not in LAYOUT_ARGS}, args)
-    load_optim = not args.no_load_optim
+    load_optim = not args.no_load_optim and not args.finetune  # --finetune: the model only
     if load_optim and "optimizer_steps" not in common:
         raise ValueError(f"{path} holds no optimizer state; load with --no-load-optim")
     flats = {name: torch.zeros_like(state.optimizer.main_data) for name in MODEL_SPACE} if load_optim else None
     # RNG streams belong to ranks: a run with another layout starts its own (as Megatron does).
-    rng = common["rng_saved"] and not args.no_load_rng and common["layout"] == _layout(pgs)
+    rng = common["rng_saved"] and not args.no_load_rng and not args.finetune and common["layout"] == _layout(pgs)
     loaded = dist_checkpointing.load(_sharded(state, pgs, flats, rng), path, _load_strategy(args, pgs),
                                      strict=args.dist_ckpt_strictness)
     if isinstance(loaded, tuple):  # the return_* strictness modes also hand back the mismatches
@@ -298,6 +298,8 @@ def load_checkpoint(args, state, pgs, path: str) -> None:
             state.optimizer.scaler.load_state_dict(common["grad_scaler"])
     else:
         state.optimizer.reload_model_params()
+    if args.finetune:  # training starts afresh from these weights: iteration 0, new schedule
+        return
     load_schedule(state.scheduler, common["opt_param_scheduler"])
     if rng:
         load_rng_state_dict(loaded["rng_state"])

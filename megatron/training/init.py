@@ -42,14 +42,23 @@ def _full_value(gname: str, shape, seed: int, std: float, num_layers: int, zero_
     return torch.empty(shape).normal_(0.0, sigma, generator=generator)
 
 
-def _partition(full: torch.Tensor, param, tp_rank: int, tp: int) -> torch.Tensor:
+def partition(full: torch.Tensor, dim: int, stride: int, tp_rank: int, tp: int) -> torch.Tensor:
     """This rank's slice, as megatron-core splits its CPU master weights: the partition dim cut
     into tp * stride pieces, rank r keeping pieces r, r + tp, ... (stride 2: SwiGLU's fc1)."""
-    if not getattr(param, "tensor_model_parallel", False) or tp == 1:
-        return full
-    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
     pieces = torch.chunk(full, tp * stride, dim=dim)
     return torch.cat(pieces[tp_rank::tp], dim=dim)
+
+
+def unpartition(slices, dim: int, stride: int) -> torch.Tensor:
+    """The inverse of `partition` over every rank's slice (in rank order)."""
+    pieces = [torch.chunk(s, stride, dim=dim) for s in slices]  # [tp][stride]
+    return torch.cat([pieces[r][k] for k in range(stride) for r in range(len(slices))], dim=dim)
+
+
+def _partition(full: torch.Tensor, param, tp_rank: int, tp: int) -> torch.Tensor:
+    if not getattr(param, "tensor_model_parallel", False) or tp == 1:
+        return full
+    return partition(full, param.partition_dim, getattr(param, "partition_stride", 1), tp_rank, tp)
 
 
 @torch.no_grad()

@@ -12,6 +12,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.module import Float16Module
 from megatron.longseq.attention.context_parallel import ContextParallel
+from megatron.longseq.attention.rope import RopeScaling
 from megatron.longseq.attention.spec import gpt_block_spec
 from megatron.longseq.config import LongSeqConfig
 from megatron.longseq.recompute import apply_full_recompute
@@ -65,6 +66,7 @@ def transformer_config(args) -> LongSeqConfig:
         layernorm_epsilon=args.norm_epsilon,
         normalization=args.normalization,
         add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=args.add_qkv_bias,
         layernorm_zero_centered_gamma=args.apply_layernorm_1p,
         qk_layernorm=args.qk_layernorm,
         test_mode=args.test_mode,
@@ -101,9 +103,19 @@ def transformer_config(args) -> LongSeqConfig:
         rotary_base=float(args.rotary_base),
         rotary_percent=args.rotary_percent,
         rotary_interleaved=args.rotary_interleaved,
+        rope_scaling=rope_scaling(args),
         recompute_core_attention=args.recompute_granularity == "selective",
         selective_checkpoint_pp=args.selective_checkpoint_pp,
     )
+
+
+def rope_scaling(args) -> RopeScaling:
+    """The context-extension flags as one value (rope.py)."""
+    kind = "llama3" if args.use_rope_scaling else "yarn" if args.rope_type == "yarn" else "rope"
+    factor = {"llama3": args.rope_scaling_factor, "yarn": args.rotary_scaling_factor}.get(kind, 1.0)
+    return RopeScaling(kind=kind, factor=factor, interpolation=float(args.rotary_seq_len_interpolation_factor or 1),
+                       original_context=args.original_max_position_embeddings, beta_fast=args.beta_fast,
+                       beta_slow=args.beta_slow, mscale=args.mscale, mscale_all_dim=args.mscale_all_dim)
 
 
 def _quiet_cuda_advice(device: torch.device) -> None:

@@ -25,7 +25,8 @@ from megatron.longseq.pipeline.p2p import connect_links
 from megatron.longseq.pipeline.seq1f1b import Pipeline, forward_backward_seq1f1b
 from megatron.training.arguments import ArgsError, parse
 from megatron.training import dist_ckpt
-from megatron.training.checkpointing import checkpoint_format, latest_checkpoint, load_checkpoint, save_checkpoint
+from megatron.training.checkpointing import (
+    carry_model_card, checkpoint_format, latest_checkpoint, load_checkpoint, save_checkpoint)
 from megatron.training.data import build_loader, train_valid_test_num_samples
 from megatron.training.distributed import GradBuffer
 from megatron.training.flops import default_peak_tflops, num_floating_point_operations
@@ -405,6 +406,8 @@ def write_timeline(directory: str, pipeline: Pipeline, pgs) -> None:
 def save_and_report(args, state, pgs):
     start = time.perf_counter()
     state.optimizer.buffer.wait_params()  # --overlap-param-gather: the weights saved are whole
+    if dist.get_rank() == 0:
+        carry_model_card(args.load, args.save)
     if state.saver is None:  # --ckpt-format torch
         _report_saved(start, state.iteration, save_checkpoint(args, state, pgs))
         return
@@ -447,11 +450,14 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     pgs = initialize_distributed(args)
     check_attention_kernel(args)
     tokenizer = build_tokenizer(args)
-    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
+    # A model's table may be wider than its tokenizer (Qwen2's 151936 rows for 151665 ids): with a
+    # text tokenizer, --vocab-size names the model's rows.
+    args.true_vocab_size = max(tokenizer.vocab_size, args.vocab_size or 0)
+    args.padded_vocab_size = padded_vocab_size(args.true_vocab_size, args.make_vocab_size_divisible_by,
                                                args.tensor_model_parallel_size)
     print_rank_0(f"> {pgs.grid.describe()}")
-    print_rank_0(f"> padded vocab (size: {tokenizer.vocab_size}) with "
-                 f"{args.padded_vocab_size - tokenizer.vocab_size} dummy tokens (new size: {args.padded_vocab_size})")
+    print_rank_0(f"> padded vocab (size: {args.true_vocab_size}) with {args.padded_vocab_size - args.true_vocab_size} "
+                 f"dummy tokens (new size: {args.padded_vocab_size})")
     _print_args(args)
     print_rank_0("> building GPT model, gradient buffer, optimizer and LR schedule ...")
     state = setup(args, pgs, model_provider)

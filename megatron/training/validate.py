@@ -89,11 +89,26 @@ def _model_args(args):
         _require(rot > 0 and rot % 2 == 0,
                  f"rotary dim = kv channels {args.kv_channels} x --rotary-percent "
                  f"{args.rotary_percent} = {rot} must be a positive even number")
+    _check_rope_scaling(args)
     for name in ("hidden_dropout", "attention_dropout"):
         _require(0.0 <= getattr(args, name) < 1.0, f"{_flag(name)} must be in [0, 1)")
     if args.tokenizer_type == "NullTokenizer":
         _require(args.vocab_size is not None and args.vocab_size > 0,
                  "--tokenizer-type NullTokenizer needs --vocab-size")
+
+
+def _check_rope_scaling(args):
+    """At most one of llama3 and yarn; every factor a stretch (>= 1); only with RoPE."""
+    llama3, yarn = args.use_rope_scaling, args.rope_type == "yarn"
+    interpolation = args.rotary_seq_len_interpolation_factor
+    if llama3 or yarn or interpolation is not None:
+        _require(args.position_embedding_type == "rope", "RoPE scaling needs --position-embedding-type rope")
+    _require(not (llama3 and yarn), "--use-rope-scaling (llama3) and --rope-type yarn are two scalings; pick one")
+    for name, on in (("rope_scaling_factor", llama3), ("rotary_scaling_factor", yarn),
+                     ("rotary_seq_len_interpolation_factor", interpolation is not None)):
+        _require(not on or getattr(args, name) >= 1, f"{_flag(name)} must be >= 1, got {getattr(args, name)}")
+    orig = args.original_max_position_embeddings
+    _require(orig is None or orig > 0, f"--original-max-position-embeddings must be positive, got {orig}")
 
 
 def _parallel_args(args, world_size):

@@ -75,7 +75,7 @@ class LongSeqCoreAttention(MegatronModule):
         self.rope = None
         if getattr(config, "use_rope", False):
             self.rope = RotaryEmbedding(config.kv_channels, config.rotary_percent, config.rotary_base,
-                                        config.rotary_interleaved)
+                                        config.rotary_interleaved, config.rope_scaling)
         self._kernel: Optional[AttentionKernel] = None
         self.kernel_ran: Optional[str] = None  # the name of the last kernel called, for the log
 

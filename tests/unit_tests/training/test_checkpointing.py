@@ -36,14 +36,14 @@ def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     good = {k: v.clone() for k, v in state.model[0].state_dict().items() if torch.is_tensor(v)}
     train_one_step(state, args)
 
-    real_save = checkpointing._atomic_torch_save
+    real_save = checkpointing.atomic_torch_save
 
     def crash(obj, path):
         with open(path + ".part", "wb") as f:
             f.write(b"half a checkpoint")  # the process dies in the middle of a write
         raise KeyboardInterrupt("killed")
 
-    monkeypatch.setattr(checkpointing, "_atomic_torch_save", crash)
+    monkeypatch.setattr(checkpointing, "atomic_torch_save", crash)
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(args, state, pgs)
     assert read_tracker(str(tmp_path)) == 1
@@ -57,7 +57,7 @@ def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
         if torch.is_tensor(value):
             assert torch.equal(value, good[key]), key
 
-    monkeypatch.setattr(checkpointing, "_atomic_torch_save", real_save)
+    monkeypatch.setattr(checkpointing, "atomic_torch_save", real_save)
     save_checkpoint(args, state, pgs)  # the next save clears the leftovers and lands
     assert read_tracker(str(tmp_path)) == 2
     assert sorted(os.listdir(tmp_path)) == ["iter_0000001", "iter_0000002", TRACKER]
