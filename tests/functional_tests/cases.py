@@ -57,9 +57,9 @@ CASES = [
     Case("gpt_llama_tp2_dp2_distopt", 4,
          LLAMA + "--tensor-model-parallel-size 2 --use-distributed-optimizer".split(), "gpt_llama"),
     Case("gpt_llama_bf16", 1, LLAMA + ["--bf16"]),
-    # Context parallelism: ring, Ulysses, Double-Ring and 2D attention, with TP and with
-    # Selective Checkpoint++, on the single-rank curves.
-    Case("gpt_base_cp2_ring", 2, "--context-parallel-size 2 --cp-comm-type p2p".split(), "gpt_base"),
+    # Context parallelism: Ulysses, Double-Ring and 2D attention, with TP and with Selective
+    # Checkpoint++, on the single-rank curves (the plain ring: gpt_llama_pp2_cp2_seq1f1b_k2 and
+    # gpt_documents_cp2_ring).
     Case("gpt_llama_cp4_2d_context_first_selective_checkpoint_pp", 4, LLAMA + (
         "--context-parallel-size 4 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 2 "
         "--cp-placement context-first --recompute-granularity full --recompute-method uniform "

@@ -59,7 +59,7 @@ def test_layout_reproduces_its_single_rank_run(case, runs):
     assert_curves_close(runs(case), runs(BY_NAME[case].golden_name), LAYOUT_RTOL, case)
 
 
-@pytest.mark.parametrize("case, kernel", [("gpt_base", "torch-cpu-flash"), ("gpt_base_cp2_ring", "torch-cpu-flash"),
+@pytest.mark.parametrize("case, kernel", [("gpt_base", "torch-cpu-flash"), ("gpt_documents_cp2_ring", "torch-cpu-flash"),
                                           ("gpt_documents", "torch-cpu-flash")])
 def test_log_names_the_attention_kernel_that_ran(case, kernel, runs):
     assert f"attention kernel: {kernel} (--attention-backend auto)" in runs(case).log

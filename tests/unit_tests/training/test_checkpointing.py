@@ -78,6 +78,21 @@ def test_load_restores_model_optimizer_schedule_and_position(tmp_path):
     assert lm_loss(resumed.model[0], args, seed=5).item() == after_a  # the same third step
 
 
+def test_finetune_loads_the_model_only(tmp_path):
+    """--finetune: the weights, and a fresh start from them (Megatron's rule)."""
+    args, pgs, state = make_state(tmp_path)
+    for _ in range(2):
+        train_one_step(state, args)
+    save_checkpoint(args, state, pgs)
+    tuned_args, _, tuned = make_state(tmp_path, "--finetune")
+    assert load_checkpoint(tuned_args, tuned, pgs)
+    assert (tuned.iteration, tuned.consumed_train_samples, tuned.scheduler.num_steps) == (0, 0, 0)
+    assert not tuned.optimizer.state_dict()["optimizer"]["state"]  # no Adam moments carried over
+    for key, value in state.model[0].state_dict().items():
+        if torch.is_tensor(value):
+            assert torch.equal(tuned.model[0].state_dict()[key], value), key
+
+
 def test_load_rejects_a_different_model(tmp_path):
     args, pgs, state = make_state(tmp_path)
     save_checkpoint(args, state, pgs)
