@@ -20,7 +20,7 @@ from megatron.training.convert import checkpoint as ckpt
 from megatron.training.convert.hf import (
     FAMILIES, ConvertError, Model, check_flags, hf_config, model_from_args, model_from_hf, pretrain_flags,
     read_hf_config, read_hf_weights, trainer_args, write_hf_dir)
-from megatron.training.convert.layout import from_hf, shard, to_hf, unshard
+from megatron.training.convert.layout import from_hf, pad_rows, shard, to_hf, unshard
 from megatron.training.validate import padded_vocab_size
 
 MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
@@ -127,12 +127,8 @@ def save_megatron(args, m: Model, whole: dict, base: Optional[dict], tokenizer: 
 
 def _repad(whole: dict, padded: int) -> dict:
     """Vocabulary rows padded (zeros) or cut to this layout's padded size."""
-    out = dict(whole)
-    for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-        if name in out:
-            t = out[name][:padded]
-            out[name] = torch.cat([t, t.new_zeros(padded - t.shape[0], *t.shape[1:])]) if padded > t.shape[0] else t
-    return out
+    rows = ("embedding.word_embeddings.weight", "output_layer.weight")
+    return {k: pad_rows(v, padded) if k in rows else v for k, v in whole.items()}
 
 
 def _dtype(whole: dict) -> torch.dtype:

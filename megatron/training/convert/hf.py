@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Dict, List, Optional
 
 import torch
@@ -182,13 +183,16 @@ def _check_trainer_layout(saved: dict) -> None:
                  f"checkpoint has {key}={saved.get(key)}: a Llama-family export needs {key}={value}")
 
 
+# the rope arguments' defaults, for checkpoints that record only some of them
+_ROPE_DEFAULTS = dict(rotary_seq_len_interpolation_factor=None, use_rope_scaling=False, rope_scaling_factor=8.0,
+                      rope_type=None, rotary_scaling_factor=1.0, original_max_position_embeddings=None,
+                      beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=0.0)
+
+
 def _rope_from_args(a: dict) -> RopeScaling:
-    kind = "llama3" if a.get("use_rope_scaling") else "yarn" if a.get("rope_type") == "yarn" else "rope"
-    factor = {"llama3": a.get("rope_scaling_factor"), "yarn": a.get("rotary_scaling_factor")}.get(kind, 1.0)
-    return RopeScaling(kind, float(factor), float(a.get("rotary_seq_len_interpolation_factor") or 1.0),
-                       a.get("original_max_position_embeddings"), beta_fast=a.get("beta_fast", 32.0),
-                       beta_slow=a.get("beta_slow", 1.0), mscale=a.get("mscale", 1.0),
-                       mscale_all_dim=a.get("mscale_all_dim", 0.0))
+    from megatron.training.model import rope_scaling  # the one reading of the flags
+
+    return rope_scaling(SimpleNamespace(**{**_ROPE_DEFAULTS, **{k: a[k] for k in _ROPE_DEFAULTS if k in a}}))
 
 
 def model_from_args(saved: dict, family: str, vocab: Optional[int]) -> Model:

@@ -69,7 +69,9 @@ def split_qkv(qkv: torch.Tensor, s: Shape) -> Tuple[torch.Tensor, torch.Tensor, 
     return tuple(t.reshape(-1, *qkv.shape[1:]).contiguous() for t in (q, k, v))
 
 
-def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """t's rows cut or padded with zeros to `rows`."""
+    t = t[:rows]
     return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])]) if rows > t.shape[0] else t
 
 
@@ -86,12 +88,12 @@ def _layer_from_hf(hf: Dict[str, torch.Tensor], i: int, s: Shape) -> Dict[str, t
 
 def from_hf(hf: Dict[str, torch.Tensor], s: Shape) -> Dict[str, torch.Tensor]:
     """Hugging Face's state dict -> the whole model under this trainer's names (vocab padded)."""
-    out = {"embedding.word_embeddings.weight": _pad_rows(hf["model.embed_tokens.weight"], s.padded_vocab),
+    out = {"embedding.word_embeddings.weight": pad_rows(hf["model.embed_tokens.weight"], s.padded_vocab),
            "decoder.final_layernorm.weight": hf["model.norm.weight"]}
     for i in range(s.num_layers):
         out.update(_layer_from_hf(hf, i, s))
     if not s.tied:
-        out["output_layer.weight"] = _pad_rows(hf["lm_head.weight"], s.padded_vocab)
+        out["output_layer.weight"] = pad_rows(hf["lm_head.weight"], s.padded_vocab)
     return out
 
 
