@@ -186,6 +186,8 @@ def _data(p):
     g.add_argument("--passkey-data", action="store_true",
                    help="synthetic passkey retrieval: a key planted early, asked at the end (long-range)")
     g.add_argument("--passkey-length", type=int, default=1, help="key tokens per passkey sample")
+    g.add_argument("--passkey-depth", type=float, default=0.25,
+                   help="the key lies in this first fraction of the sequence (1: anywhere before the query)")
     g.add_argument("--data-path", nargs="*", default=None)
     g.add_argument("--split", type=str, default=None)
     g.add_argument("--data-cache-path", type=str, default=None)

@@ -4,11 +4,14 @@ Every sample is random filler with a key planted early and asked for at the very
 
     filler ... KEY_START k_1..k_n filler ... filler QUERY k_1..k_n
     ^ key position uniform in the first quarter          ^ the last n+1 tokens
+      (--passkey-depth: the first fraction of the sequence where the key may be; 0.25 by default)
 
 Key tokens come from ten ids that never occur as filler, and the loss counts only the answer
 (the key after QUERY), so its chance level is ln(10) = 2.303 per token. Predicting the key needs
 the query to attend across the whole sequence -- a model whose attention stops short of the start
-cannot beat chance. Samples are a pure function of (seed, index), like Megatron's mock data.
+cannot beat chance. With depth 1 the key may be anywhere, so the distance to it varies from a few
+tokens to the whole sequence, and a model must find the key by its marker rather than by a fixed
+distance: the setting of a context-extension test, where what a longer context adds shows. Samples are a pure function of (seed, index), like Megatron's mock data.
 """
 from __future__ import annotations
 
@@ -22,13 +25,16 @@ CHANCE_LOSS = float(np.log(len(KEY_IDS)))
 
 
 class PasskeyDataset(torch.utils.data.Dataset):
-    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, key_length: int = 1, seed: int = 0):
+    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, key_length: int = 1, seed: int = 0,
+                 depth: float = 0.25):
         if vocab_size <= FILLER_START + 10:
             raise ValueError(f"passkey data needs --vocab-size > {FILLER_START + 10}, got {vocab_size}")
         if seq_length < 8 * (key_length + 2):
             raise ValueError(f"--seq-length {seq_length} is too short for a key of {key_length} tokens")
+        if not 0 < depth <= 1:
+            raise ValueError(f"passkey depth must be in (0, 1], got {depth}")
         self.num_samples, self.seq_length, self.vocab_size = num_samples, seq_length, vocab_size
-        self.key_length, self.seed = key_length, seed
+        self.key_length, self.seed, self.depth = key_length, seed, depth
 
     def __len__(self):
         return self.num_samples
@@ -39,10 +45,15 @@ class PasskeyDataset(torch.utils.data.Dataset):
         n, length = self.key_length, self.seq_length + 1
         seq = rng.integers(FILLER_START, self.vocab_size, size=length)
         key = rng.integers(KEY_IDS.start, KEY_IDS.stop, size=n)
-        at = int(rng.integers(0, self.seq_length // 4))
+        at = int(rng.integers(0, self.key_positions()))
         seq[at], seq[at + 1 : at + 1 + n] = KEY_START, key
         seq[length - n - 1], seq[length - n :] = QUERY, key
         return seq
+
+    def key_positions(self) -> int:
+        """How many positions the key marker may take: the first `depth` of the sequence, and never
+        so late that the key (at+1 .. at+n) would reach the query at S-n."""
+        return max(1, min(int(self.seq_length * self.depth), self.seq_length - 2 * self.key_length))
 
     def __getitem__(self, idx: int):
         seq = torch.from_numpy(self.sequence(idx)).long()
@@ -54,5 +65,6 @@ class PasskeyDataset(torch.utils.data.Dataset):
 
 def build_passkey_datasets(args, num_samples):
     """Train, validation and test splits: disjoint seeds, Megatron's sample counts."""
-    return [PasskeyDataset(n, args.seq_length, args.vocab_size, args.passkey_length, seed=args.seed + 1000 * i)
+    return [PasskeyDataset(n, args.seq_length, args.vocab_size, args.passkey_length, seed=args.seed + 1000 * i,
+                           depth=args.passkey_depth)
             if n > 0 else None for i, n in enumerate(num_samples)]

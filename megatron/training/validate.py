@@ -375,6 +375,7 @@ def _data_args(args):
         _require(args.vocab_size > 30, f"--passkey-data needs --vocab-size > 30, got {args.vocab_size}")
         _require(args.seq_length >= 8 * (args.passkey_length + 2),
                  f"--seq-length {args.seq_length} is too short for --passkey-length {args.passkey_length}")
+        _require(0 < args.passkey_depth <= 1, f"--passkey-depth must be in (0, 1], got {args.passkey_depth}")
     if args.data_path:
         for prefix in data_prefixes(args.data_path):
             for ext in (".bin", ".idx"):

@@ -1,5 +1,5 @@
-"""This trainer's torch-format checkpoints, read and written without process groups (one process
-holds every rank's file), for the converter.
+"""This trainer's checkpoints, read and written without process groups (one process holds every
+rank's file), for the converter: torch-format ones both ways, torch_dist ones read.
 
 A converted model is written as Megatron writes a released one: <dir>/release/mp_rank_TT[_PPP]/
 model_optim_rng.pt and a tracker saying `release`, so training loads it as iteration 0 with a
@@ -20,6 +20,8 @@ from megatron.training.checkpointing import (
     CHECKPOINT_VERSION, FORMAT_FILE, HF_CONFIG, RELEASE, TOKENIZER_DIR, atomic_torch_save, latest_checkpoint,
     publish_tree)
 from megatron.training.convert.hf import TOKENIZER_FILES, ConvertError
+from megatron.training.convert.layout import unshard
+
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 
 
@@ -66,17 +68,26 @@ def read_hf_side(root: str) -> Optional[dict]:
         return json.load(f)
 
 
-def read_checkpoint(root: str) -> Tuple[dict, Dict[Tuple[int, int], dict], int, int]:
-    """(recorded args, {(tp rank, pp rank): model state dict}, tp, pp) of the checkpoint the
-    tracker under `root` names."""
+def read_checkpoint(root: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
+    """(recorded args, the whole model under tp1 / pp1 names) of the checkpoint the tracker under
+    `root` names, torch or torch_dist."""
     if not os.path.isdir(root):
         raise ConvertError(f"--load-dir {root}: no such directory")
     path = latest_checkpoint(root)
     if path is None or not os.path.isdir(path):
         raise ConvertError(f"--load-dir {root}: no checkpoint (no latest_checkpointed_iteration.txt naming one)")
     if os.path.isfile(os.path.join(path, FORMAT_FILE)):
-        raise ConvertError(f"{path} is a torch_dist checkpoint: this converter reads torch-format ones; resave it "
-                           f"with pretrain_gpt.py --ckpt-format torch (load it with --auto-detect-ckpt-format)")
+        return _read_torch_dist(path)
+    saved, ranks, tp, pp = _read_torch(path)
+    return saved, unshard(ranks, tp, pp, _tied(saved))
+
+
+def _tied(saved: dict) -> bool:
+    return not saved["untie_embeddings_and_output_weights"]
+
+
+def _read_torch(path: str) -> Tuple[dict, Dict[Tuple[int, int], dict], int, int]:
+    """(recorded args, {(tp rank, pp rank): model state dict}, tp, pp) of a torch-format checkpoint."""
     found = {m.groups(): d for d in os.listdir(path) if (m := _RANK_DIR.match(d))}
     if not found:
         raise ConvertError(f"{path}: no mp_rank_* directories")
@@ -90,3 +101,48 @@ def read_checkpoint(root: str) -> Tuple[dict, Dict[Tuple[int, int], dict], int, 
                                f"or a virtual-pipeline one)")
         ranks[(int(t), int(p or 0))], saved = obj["model"], obj["args"]
     return saved, ranks, tp, pp
+
+
+# Stored beside the model in a torch_dist checkpoint (dist_ckpt.py): not model tensors.
+_NOT_MODEL = ("optimizer.", "rng_state")
+
+
+def _read_torch_dist(path: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
+    """A torch_dist checkpoint read in this one process. megatron-core stores every tensor whole,
+    by its place in the whole model (so any tp / pp / virtual-pipeline run reads the same), and the
+    layers of the decoder stacked on a leading axis; extra states are byte objects, skipped."""
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint import FileSystemReader, load
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    saved = dist_checkpointing.load_common_state_dict(path)["args"]
+    reader = FileSystemReader(path)
+    stored = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
+              for key, meta in reader.read_metadata().state_dict_metadata.items()
+              if isinstance(meta, TensorStorageMetadata) and not key.startswith(_NOT_MODEL)}
+    load(stored, storage_reader=reader, no_dist=True)
+    whole = {}
+    for key, value in stored.items():
+        if key.startswith(_LAYERS):  # [layers, ...] -> one tensor per layer
+            name = _module_name(key[len(_LAYERS):])
+            whole.update({f"{_LAYERS}{i}.{name}": layer for i, layer in enumerate(value.unbind(0))})
+        elif not (_tied(saved) and key == "output_layer.weight"):  # a tied output layer is the embedding
+            whole[key] = value
+    return saved, whole
+
+
+_LAYERS = "decoder.layers."
+
+
+def _module_name(stored: str) -> str:
+    """A layer's parameter name from its torch_dist key. megatron-core stores the local layer's
+    norms under Transformer Engine's fused names (its spec's sharded_state_dict_keys_map:
+    input_layernorm.weight as self_attention.linear_qkv.layer_norm_weight), so either
+    implementation reads the other's checkpoints; the module names are the inverse of that map."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    keys_map = get_gpt_layer_local_spec(normalization="RMSNorm").submodules.sharded_state_dict_keys_map
+    for module, fused in keys_map.items():
+        if stored.startswith(fused):
+            return module + stored[len(fused):]
+    return stored

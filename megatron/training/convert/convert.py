@@ -20,7 +20,7 @@ from megatron.training.convert import checkpoint as ckpt
 from megatron.training.convert.hf import (
     FAMILIES, ConvertError, Model, check_flags, hf_config, model_from_args, model_from_hf, pretrain_flags,
     read_hf_config, read_hf_weights, trainer_args, write_hf_dir)
-from megatron.training.convert.layout import from_hf, pad_rows, shard, to_hf, unshard
+from megatron.training.convert.layout import from_hf, pad_rows, shard, to_hf
 from megatron.training.validate import padded_vocab_size
 
 MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
@@ -95,13 +95,12 @@ def _check_names(state: dict, m: Model) -> None:
 
 
 def load_megatron(args) -> Tuple[Model, Dict[str, torch.Tensor], Optional[dict], str]:
-    saved, ranks, tp, pp = ckpt.read_checkpoint(args.load_dir)
+    saved, whole = ckpt.read_checkpoint(args.load_dir)
     base = ckpt.read_hf_side(args.load_dir)
     family = args.hf_family or _family_of(base, saved)
     vocab = args.true_vocab_size or (base or {}).get("vocab_size")
     m = model_from_args(saved, family, vocab)
     _check_model(args, m)
-    whole = unshard(ranks, tp, pp, m.tied)
     return m, whole, base, f"{args.load_dir}/{ckpt.TOKENIZER_DIR}"
 
 

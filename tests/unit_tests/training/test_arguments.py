@@ -213,3 +213,9 @@ def test_pipeline_layouts_and_segments():
 
 def test_sequence_parallel_with_one_tp_rank_is_off_as_in_megatron():
     assert args_for("--sequence-parallel").sequence_parallel is False
+
+
+def test_passkey_depth_is_a_fraction():
+    base = [a if a != "--mock-data" else "--passkey-data" for a in BASE]
+    assert args_for("--passkey-depth 1", base=base).passkey_depth == 1.0
+    assert "--passkey-depth must be in (0, 1], got 1.5" in error_of("--passkey-depth 1.5", base=base)

@@ -19,7 +19,6 @@ from megatron.longseq.attention.rope import RopeScaling, attention_factor, inver
 from megatron.training.convert.checkpoint import read_checkpoint
 from megatron.training.convert.convert import main as convert
 from megatron.training.convert.hf import model_from_hf, pretrain_flags
-from megatron.training.convert.layout import unshard
 from tests.unit_tests.dist_utils import grid_groups, init_single_rank_world, run_ranks
 
 transformers = pytest.importorskip("transformers")
@@ -257,8 +256,7 @@ def test_hf_ours_hf_is_bitwise(tmp_path, family, vocab, dtype):
 
 
 def _whole(ckpt_dir) -> dict:
-    saved, ranks, tp, pp = read_checkpoint(str(ckpt_dir))
-    return unshard(ranks, tp, pp, not saved["untie_embeddings_and_output_weights"])
+    return read_checkpoint(str(ckpt_dir))[1]
 
 
 def test_ours_hf_ours_is_bitwise_at_another_layout(tmp_path):
@@ -309,11 +307,12 @@ def test_bad_input_is_one_line_before_any_work(tmp_path):
 
 
 # ---- training from a converted checkpoint -------------------------------------------------------
-def _hf_passkey_loss(hf_dir: str, seq: int, key: int, samples: int, vocab: int, seed: int) -> float:
+def _hf_passkey_loss(hf_dir: str, seq: int, key: int, samples: int, vocab: int, seed: int,
+                     depth: float = 0.25) -> float:
     """transformers' loss on the first `samples` passkey samples: the mean over the answer tokens."""
     from megatron.training.passkey import PasskeyDataset
 
-    data = PasskeyDataset(samples, seq, vocab, key, seed=seed)
+    data = PasskeyDataset(samples, seq, vocab, key, seed=seed, depth=depth)
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True).eval()
     losses = []
     with torch.no_grad():
@@ -327,7 +326,8 @@ def _hf_passkey_loss(hf_dir: str, seq: int, key: int, samples: int, vocab: int, 
 
 def test_training_from_a_converted_checkpoint_starts_at_the_hf_loss(tmp_path):
     """pretrain_gpt.py at tp 2 x cp 2 (ring), --finetune from the converted model: iteration 1's
-    loss (before any update) is transformers' loss on the same samples."""
+    loss (before any update) is transformers' loss on the same samples. The run saves torch_dist;
+    with --lr 0 its weights are the converted ones, and their export is the original bitwise."""
     import subprocess
     import sys
 
@@ -341,7 +341,8 @@ def test_training_from_a_converted_checkpoint_starts_at_the_hf_loss(tmp_path):
     printed = out.strip().splitlines()[-1].split()  # the flags the converter prints, used as printed
     seq, key, seed = 64, 4, 1234
     flags = printed + (f"--context-parallel-size 2 --finetune --passkey-data --passkey-length {key} "
-                       f"--seq-length {seq} --micro-batch-size 1 --global-batch-size 2 --train-iters 1 --lr 1e-4 "
+                       f"--seq-length {seq} --micro-batch-size 1 --global-batch-size 2 --train-iters 1 --lr 0 "
+                       f"--save {tmp_path / 'trained'} --ckpt-format torch_dist --auto-detect-ckpt-format "
                        f"--tokenizer-type NullTokenizer --vocab-size {VOCAB - 1} --hidden-dropout 0 "
                        f"--attention-dropout 0 --log-interval 1 --eval-iters 0 --num-workers 0 --seed {seed}").split()
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
@@ -353,3 +354,48 @@ def test_training_from_a_converted_checkpoint_starts_at_the_hf_loss(tmp_path):
     theirs = _hf_passkey_loss(hf_dir, seq, key, 2, VOCAB - 1, seed)
     # the log prints 7 significant digits; the model agrees to ~1e-7 (TOL above)
     assert first == pytest.approx(theirs, rel=TOL), (first, theirs)
+    rc, _, err = run_convert("--loader", "megatron", "--saver", "hf", "--load-dir", tmp_path / "trained",
+                             "--save-dir", tmp_path / "back")
+    assert rc == 0, err
+    assert_bitwise(_files(hf_dir), _files(tmp_path / "back"))
+
+
+# ---- tools/passkey_eval.py: the context-extension example's table -------------------------------
+def test_passkey_eval_scores_the_exported_model(tmp_path):
+    """Its answer loss is the training loss of the same samples, its hits the argmax's, and a
+    RoPE change given at load time is the model saved with that RoPE."""
+    from megatron.training.passkey import PasskeyDataset
+    from tools import passkey_eval
+
+    plain, linear = save_hf(tmp_path / "plain", "llama", "default"), save_hf(tmp_path / "linear", "llama", "linear")
+    seq, samples, seed = 48, 6, 5
+    data = PasskeyDataset(samples, seq, VOCAB, seed=seed, depth=1.0)
+    acc, loss = passkey_eval.score(passkey_eval.load(plain), data, batch=4)  # two batches, the second short
+    assert loss == pytest.approx(_hf_passkey_loss(plain, seq, 1, samples, VOCAB, seed, depth=1.0), rel=TOL)
+    model = transformers.AutoModelForCausalLM.from_pretrained(plain).eval()
+    with torch.no_grad():
+        best = [int(model(data[i]["tokens"][None]).logits[0, -1].argmax()) for i in range(samples)]
+    assert acc == sum(b == int(data[i]["labels"][-1]) for i, b in enumerate(best)) / samples
+    based = save_hf(tmp_path / "based", "llama", "default", rope_parameters={"rope_type": "default", "rope_theta": 4e4})
+    tokens = data[0]["tokens"][None]
+    with torch.no_grad():
+        for changed, saved in ((passkey_eval.load(plain, f"linear:{ROPES['linear']['factor']}"), linear),
+                               (passkey_eval.load(plain, "base:40000"), based)):
+            assert torch.equal(changed(tokens).logits, passkey_eval.load(saved)(tokens).logits)
+
+
+def test_passkey_eval_table_and_bad_input(tmp_path, capsys):
+    from tools import passkey_eval
+
+    hf_dir = save_hf(tmp_path / "hf", "qwen2", "default")
+    assert passkey_eval.main(["--vocab-size", str(VOCAB), "--lengths", "32", "64", "--samples", "2",
+                              "--model", "short", hf_dir, "--model", "stretched", hf_dir, "linear:2"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-4] == "| model | 32 tokens | 64 tokens |" and lines[-3] == "|---|---:|---:|"
+    assert lines[-2].startswith("| short | ") and lines[-1].startswith("| stretched | ")
+    for argv, message in ((["--model", "x"], "--model takes LABEL DIR [ROPE], got 1 items"),
+                          (["--model", "x", str(tmp_path / "none")], f"no directory {tmp_path / 'none'}"),
+                          (["--model", "x", hf_dir, "8"], "the RoPE change is base:THETA or linear:FACTOR, got '8'")):
+        with pytest.raises(SystemExit):
+            passkey_eval.main(["--vocab-size", str(VOCAB), "--lengths", "32"] + argv)
+        assert message in capsys.readouterr().err

@@ -133,3 +133,16 @@ def test_passkey_samples_hide_the_key_early_and_ask_for_it_last():
     assert len(keys) > 30  # keys vary
     assert torch.equal(ds[7]["tokens"], PasskeyDataset(50, 128, 100, 2, seed=3)[7]["tokens"])  # pure function
 
+
+
+def test_passkey_depth_one_puts_the_key_anywhere_before_the_query():
+    from megatron.training.passkey import KEY_START, PasskeyDataset
+
+    seq, n = 64, 3
+    ds = PasskeyDataset(num_samples=400, seq_length=seq, vocab_size=100, key_length=n, seed=1, depth=1.0)
+    at = [int((ds[i]["tokens"] == KEY_START).nonzero()[0]) for i in range(400)]
+    assert min(at) == 0 and max(at) == seq - 2 * n - 1  # the last key token ends right before QUERY
+    quarter = PasskeyDataset(num_samples=5, seq_length=seq, vocab_size=100, key_length=n, seed=1)
+    assert quarter.key_positions() == seq // 4  # the default draws what it always drew
+    with pytest.raises(ValueError, match=r"passkey depth must be in \(0, 1\], got 0"):
+        PasskeyDataset(5, seq, 100, n, depth=0)
