@@ -7,7 +7,7 @@
 #   3. score retrieval at 512 .. 4096 tokens with transformers: the original, the original with
 #      a RoPE change and no training (base x4; positions interpolated x8), and the extended model
 #      (tools/passkey_eval.py).
-# About 25 minutes on two idle cores.   bash examples/context_extension_cpu.sh [work dir]
+# About half an hour on two cores.   bash examples/context_extension_cpu.sh [work dir]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WORK=${1:-/tmp/context_extension}
