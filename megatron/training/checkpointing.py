@@ -254,6 +254,16 @@ def _load_progress(args, state, obj: dict, pgs, megatron: bool) -> None:
     state.flops_so_far = obj.get("num_floating_point_operations_so_far", 0)
 
 
+def recorded_args(path: str, pgs) -> dict:
+    """The model arguments the torch-format checkpoint at `path` records, from this rank's file
+    memory-mapped (its tensors stay on disk); {} when the file is not there (the load says so)."""
+    file = os.path.join(path, rank_dir_name(pgs), "model_optim_rng.pt")
+    if not os.path.isfile(file):
+        return {}
+    saved = torch.load(file, map_location="cpu", weights_only=False, mmap=True)["args"]
+    return saved if isinstance(saved, dict) else _megatron_args(saved)
+
+
 def _megatron_args(namespace) -> dict:
     """MUST_MATCH read from Megatron's Namespace; without GQA its num_query_groups means nothing
     (every head is its own group, which is how this trainer records it)."""

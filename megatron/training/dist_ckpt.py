@@ -273,12 +273,21 @@ def _load_strategy(args, pgs):
     return strategy
 
 
+def _model_args(common: dict) -> dict:
+    return {k: v for k, v in common["args"].items() if k not in LAYOUT_ARGS}  # any layout loads
+
+
+def recorded_args(path: str) -> dict:
+    """The model arguments the torch_dist checkpoint at `path` records (common.pt alone)."""
+    return _model_args(dist_checkpointing.load_common_state_dict(path))
+
+
 def load_checkpoint(args, state, pgs, path: str) -> None:
     """Fill `state` from the torch_dist checkpoint at `path` (an iteration directory)."""
     if args.verify_integrity:
         verify_integrity(path)
     common = dist_checkpointing.load_common_state_dict(path)
-    check_args({k: v for k, v in common["args"].items() if k not in LAYOUT_ARGS}, args)
+    check_args(_model_args(common), args)
     load_optim = not args.no_load_optim and not args.finetune  # --finetune: the model only
     if load_optim and "optimizer_steps" not in common:
         raise ValueError(f"{path} holds no optimizer state; load with --no-load-optim")

@@ -26,7 +26,8 @@ from megatron.longseq.pipeline.seq1f1b import Pipeline, forward_backward_seq1f1b
 from megatron.training.arguments import ArgsError, parse
 from megatron.training import dist_ckpt
 from megatron.training.checkpointing import (
-    carry_model_card, checkpoint_format, latest_checkpoint, load_checkpoint, save_checkpoint)
+    carry_model_card, check_args, checkpoint_format, latest_checkpoint, load_checkpoint, recorded_args,
+    save_checkpoint)
 from megatron.training.data import build_loader, train_valid_test_num_samples
 from megatron.training.distributed import GradBuffer
 from megatron.training.flops import default_peak_tflops, num_floating_point_operations
@@ -421,6 +422,19 @@ def _report_saved(start: float, iteration: int, path: str) -> None:
                  f"[ t {time.perf_counter() - start:.2f}s ]")
 
 
+def check_load(args, pgs) -> None:
+    """--load's recorded model against this run's flags, before anything is built: a format or a
+    model that contradicts them (hidden size, heads, vocabulary, ...) is one line at start-up."""
+    try:
+        path = latest_checkpoint(args.load)
+        if path is None:
+            return
+        dist = checkpoint_format(path, args) == "torch_dist"
+        check_args(dist_ckpt.recorded_args(path) if dist else recorded_args(path, pgs), args)
+    except ValueError as err:
+        raise ArgsError(f"--load {args.load}: {err}") from None
+
+
 def load_and_report(args, state, pgs) -> None:
     """Resume from the checkpoint the tracker under --load points at, in whichever format it is
     allowed to be (see checkpoint_format)."""
@@ -458,6 +472,8 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     print_rank_0(f"> {pgs.grid.describe()}")
     print_rank_0(f"> padded vocab (size: {args.true_vocab_size}) with {args.padded_vocab_size - args.true_vocab_size} "
                  f"dummy tokens (new size: {args.padded_vocab_size})")
+    if args.load:
+        check_load(args, pgs)
     _print_args(args)
     print_rank_0("> building GPT model, gradient buffer, optimizer and LR schedule ...")
     state = setup(args, pgs, model_provider)

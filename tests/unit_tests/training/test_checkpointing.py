@@ -173,3 +173,27 @@ def test_megatron_torch_checkpoint_loads(tmp_path):
     args3, _, fresh = make_state(release, "--ckpt-format torch")
     assert load_checkpoint(args3, fresh, pgs) and fresh.iteration == 0 and fresh.consumed_train_samples == 0
     assert torch.equal(fresh.optimizer.buffer.param_data, state.optimizer.buffer.param_data)  # released weights
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_a_contradicting_model_is_one_line_before_anything_is_built(tmp_path, fmt):
+    """pretrain checks --load's recorded model before building its own (check_load needs no
+    model): a contradiction or a format mismatch is an ArgsError, one line, exit 2."""
+    from megatron.training.arguments import ArgsError
+    from megatron.training.dist_ckpt import CheckpointSaver
+    from megatron.training.training import check_load
+
+    args, pgs, state = make_state(tmp_path, f"--ckpt-format {fmt}")
+    if fmt == "torch_dist":
+        saver = CheckpointSaver(args, pgs, torch.device("cpu"))
+        saver.save(state)
+        saver.finish(blocking=True)
+    else:
+        save_checkpoint(args, state, pgs)
+    check_load(args, pgs)  # the same model passes
+    other = tiny_args(f"--load {tmp_path} --ckpt-format {fmt} --ffn-hidden-size 128")
+    with pytest.raises(ArgsError, match=f"--load {tmp_path}: checkpoint has ffn_hidden_size=256 but this run has 128"):
+        check_load(other, pgs)
+    flipped = "torch" if fmt == "torch_dist" else "torch_dist"
+    with pytest.raises(ArgsError, match=f"is a {fmt}-format checkpoint but --ckpt-format is {flipped}"):
+        check_load(tiny_args(f"--load {tmp_path} --ckpt-format {flipped}"), pgs)
