@@ -326,6 +326,9 @@ def _checkpoint_and_logging(p):
                         "torch: one file per model-parallel rank, loadable under the same tp and pp only")
     g.add_argument("--auto-detect-ckpt-format", action="store_true",
                    help="load a checkpoint in whichever format it is (default: it must be --ckpt-format)")
+    g.add_argument("--ckpt-convert-format", choices=["torch", "torch_dist"], default=None,
+                   help="load --load, save it in this format under --ckpt-convert-save, and exit")
+    g.add_argument("--ckpt-convert-save", type=str, default=None, help="where --ckpt-convert-format saves")
     g.add_argument("--async-save", action="store_true",
                    help="torch_dist: write the checkpoint in the background while training goes on; the next "
                         "save and the end of the run wait for it")

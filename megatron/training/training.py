@@ -449,6 +449,20 @@ def load_and_report(args, state, pgs) -> None:
     print_rank_0(f"  successfully loaded checkpoint from {args.load} at iteration {state.iteration}")
 
 
+def convert_and_exit(args, state, pgs) -> None:
+    """Megatron's --ckpt-convert-format: the loaded checkpoint saved again, in that format, under
+    --ckpt-convert-save; the run ends there (no data, no training)."""
+    args.ckpt_format, args.save, args.async_save = args.ckpt_convert_format, args.ckpt_convert_save, False
+    if args.ckpt_format == "torch_dist":
+        state.saver = dist_ckpt.CheckpointSaver(args, pgs, device_of(args))
+    save_and_report(args, state, pgs)
+    if state.saver is not None:
+        state.saver.finish(blocking=True)
+    print_rank_0(f"> converted the checkpoint of {args.load} to {args.ckpt_format} under {args.save}; exiting")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _say(message: str) -> None:
     """Before process groups exist: rank 0 of the launch (RANK from torchrun or Slurm) speaks."""
     if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
@@ -481,6 +495,8 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
         state.memo = setup_memo(args, pgs, state, forward_step_func, device_of(args))
     if args.load:
         load_and_report(args, state, pgs)
+    if args.ckpt_convert_format:
+        return convert_and_exit(args, state, pgs)
     if args.save and args.ckpt_format == "torch_dist":
         state.saver = dist_ckpt.CheckpointSaver(args, pgs, device_of(args))
     print_rank_0("> building train, validation, and test datasets ...")

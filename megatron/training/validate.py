@@ -441,6 +441,10 @@ def _checkpoint_args(args):
              f"--async-save needs --ckpt-format torch_dist (got {args.ckpt_format})")
     if args.exit_interval is not None:
         _require(args.exit_interval > 0, "--exit-interval must be positive")
+    converting = args.ckpt_convert_format is not None
+    _require(converting == (args.ckpt_convert_save is not None),
+             "--ckpt-convert-format and --ckpt-convert-save go together")
+    _require(not converting or args.load is not None, "--ckpt-convert-format needs --load")
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:

@@ -108,6 +108,8 @@ def test_padded_vocab_matches_megatron():
     ("--selective-checkpoint-pp", 1, "--selective-checkpoint-pp needs --recompute-granularity full"),
     ("--cp-comm-type a2a p2p", 1, "--cp-comm-type takes one value for all layers"),
     ("--save-interval 5", 1, "--save-interval needs --save"),
+    ("--ckpt-convert-format torch_dist", 1, "--ckpt-convert-format and --ckpt-convert-save go together"),
+    ("--ckpt-convert-format torch --ckpt-convert-save x", 1, "--ckpt-convert-format needs --load"),
     ("--ckpt-format fsdp_dtensor", 1, "--ckpt-format: invalid choice: 'fsdp_dtensor'"),
     ("--verify-integrity --ckpt-format torch", 1, "--verify-integrity needs --ckpt-format torch_dist"),
     ("--position-embedding-type rope --rotary-percent 0.1", 1, "rotary dim = kv channels 16 x --rotary-percent 0.1 = 1"),

@@ -360,6 +360,35 @@ def test_training_from_a_converted_checkpoint_starts_at_the_hf_loss(tmp_path):
     assert_bitwise(_files(hf_dir), _files(tmp_path / "back"))
 
 
+def test_pretrain_converts_a_converted_checkpoint_to_torch_dist(tmp_path):
+    """Megatron's way to torch_dist: pretrain_gpt.py --ckpt-convert-format torch_dist loads the
+    released torch checkpoint at tp 2, saves it under --ckpt-convert-save and exits before any
+    data or training; that checkpoint exports to the original model bitwise."""
+    import subprocess
+    import sys
+
+    from tests.functional_tests.run import ROOT
+    from tests.unit_tests.dist_utils import child_env, free_port
+
+    hf_dir = save_hf(tmp_path / "hf", "llama", "llama3")
+    rc, out, err = run_convert("--loader", "hf", "--saver", "megatron", "--load-dir", hf_dir, "--save-dir",
+                               tmp_path / "ours", "--target-tensor-parallel-size", 2)
+    assert rc == 0, err
+    flags = out.strip().splitlines()[-1].split() + (
+        f"--ckpt-convert-format torch_dist --ckpt-convert-save {tmp_path / 'dist'} --mock-data --seq-length {SEQ} "
+        f"--micro-batch-size 1 --train-iters 1 --lr 1e-4 --tokenizer-type NullTokenizer --vocab-size {VOCAB - 1} "
+        f"--num-workers 0").split()
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                          str(free_port()), str(ROOT / "pretrain_gpt.py")] + flags,
+                         capture_output=True, text=True, env=child_env(), timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "to torch_dist under" in run.stdout and "building train" not in run.stdout
+    rc, _, err = run_convert("--loader", "megatron", "--saver", "hf", "--load-dir", tmp_path / "dist",
+                             "--save-dir", tmp_path / "back")
+    assert rc == 0, err
+    assert_bitwise(_files(hf_dir), _files(tmp_path / "back"))
+
+
 # ---- tools/passkey_eval.py: the context-extension example's table -------------------------------
 def test_passkey_eval_scores_the_exported_model(tmp_path):
     """Its answer loss is the training loss of the same samples, its hits the argmax's, and a
