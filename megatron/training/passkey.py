@@ -11,7 +11,8 @@ Key tokens come from ten ids that never occur as filler, and the loss counts onl
 the query to attend across the whole sequence -- a model whose attention stops short of the start
 cannot beat chance. With depth 1 the key may be anywhere, so the distance to it varies from a few
 tokens to the whole sequence, and a model must find the key by its marker rather than by a fixed
-distance: the setting of a context-extension test, where what a longer context adds shows. Samples are a pure function of (seed, index), like Megatron's mock data.
+distance: the setting of a context-extension test. Samples are a pure function of (seed, index),
+like Megatron's mock data.
 """
 from __future__ import annotations
 

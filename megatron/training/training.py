@@ -429,8 +429,8 @@ def check_load(args, pgs) -> None:
         path = latest_checkpoint(args.load)
         if path is None:
             return
-        dist = checkpoint_format(path, args) == "torch_dist"
-        check_args(dist_ckpt.recorded_args(path) if dist else recorded_args(path, pgs), args)
+        sharded = checkpoint_format(path, args) == "torch_dist"
+        check_args(dist_ckpt.recorded_args(path) if sharded else recorded_args(path, pgs), args)
     except ValueError as err:
         raise ArgsError(f"--load {args.load}: {err}") from None
 
