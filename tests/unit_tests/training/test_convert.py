@@ -324,69 +324,69 @@ def _hf_passkey_loss(hf_dir: str, seq: int, key: int, samples: int, vocab: int, 
     return float(torch.stack(losses).mean())
 
 
-def test_training_from_a_converted_checkpoint_starts_at_the_hf_loss(tmp_path):
-    """pretrain_gpt.py at tp 2 x cp 2 (ring), --finetune from the converted model: iteration 1's
-    loss (before any update) is transformers' loss on the same samples. The run saves torch_dist;
-    with --lr 0 its weights are the converted ones, and their export is the original bitwise."""
-    import subprocess
-    import sys
-
-    from tests.functional_tests.run import LINE, ROOT
-    from tests.unit_tests.dist_utils import child_env, free_port
-
-    hf_dir = save_hf(tmp_path / "hf", "qwen2", "yarn")
+def _converted_at_tp2(tmp_path, family: str, rope: str):
+    """(HF directory, the pretrain_gpt.py flags the converter printed for its tp-2 checkpoint)."""
+    hf_dir = save_hf(tmp_path / "hf", family, rope)
     rc, out, err = run_convert("--loader", "hf", "--saver", "megatron", "--load-dir", hf_dir, "--save-dir",
                                tmp_path / "ours", "--target-tensor-parallel-size", 2)
     assert rc == 0, err
-    printed = out.strip().splitlines()[-1].split()  # the flags the converter prints, used as printed
-    seq, key, seed = 64, 4, 1234
-    flags = printed + (f"--context-parallel-size 2 --finetune --passkey-data --passkey-length {key} "
-                       f"--seq-length {seq} --micro-batch-size 1 --global-batch-size 2 --train-iters 1 --lr 0 "
-                       f"--save {tmp_path / 'trained'} --ckpt-format torch_dist --auto-detect-ckpt-format "
-                       f"--tokenizer-type NullTokenizer --vocab-size {VOCAB - 1} --hidden-dropout 0 "
-                       f"--attention-dropout 0 --log-interval 1 --eval-iters 0 --num-workers 0 --seed {seed}").split()
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
-                          str(free_port()), str(ROOT / "pretrain_gpt.py")] + flags,
-                         capture_output=True, text=True, env=child_env(), timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "loaded checkpoint" in run.stdout and "at iteration 0" in run.stdout
-    first = float(LINE.search(run.stdout).group(2))
-    theirs = _hf_passkey_loss(hf_dir, seq, key, 2, VOCAB - 1, seed)
-    # the log prints 7 significant digits; the model agrees to ~1e-7 (TOL above)
-    assert first == pytest.approx(theirs, rel=TOL), (first, theirs)
-    rc, _, err = run_convert("--loader", "megatron", "--saver", "hf", "--load-dir", tmp_path / "trained",
-                             "--save-dir", tmp_path / "back")
-    assert rc == 0, err
-    assert_bitwise(_files(hf_dir), _files(tmp_path / "back"))
+    return hf_dir, out.strip().splitlines()[-1].split()  # the flags as printed
 
 
-def test_pretrain_converts_a_converted_checkpoint_to_torch_dist(tmp_path):
-    """Megatron's way to torch_dist: pretrain_gpt.py --ckpt-convert-format torch_dist loads the
-    released torch checkpoint at tp 2, saves it under --ckpt-convert-save and exits before any
-    data or training; that checkpoint exports to the original model bitwise."""
+def _pretrain(nproc: int, flags):
     import subprocess
     import sys
 
     from tests.functional_tests.run import ROOT
     from tests.unit_tests.dist_utils import child_env, free_port
 
-    hf_dir = save_hf(tmp_path / "hf", "llama", "llama3")
-    rc, out, err = run_convert("--loader", "hf", "--saver", "megatron", "--load-dir", hf_dir, "--save-dir",
-                               tmp_path / "ours", "--target-tensor-parallel-size", 2)
-    assert rc == 0, err
-    flags = out.strip().splitlines()[-1].split() + (
-        f"--ckpt-convert-format torch_dist --ckpt-convert-save {tmp_path / 'dist'} --mock-data --seq-length {SEQ} "
-        f"--micro-batch-size 1 --train-iters 1 --lr 1e-4 --tokenizer-type NullTokenizer --vocab-size {VOCAB - 1} "
-        f"--num-workers 0").split()
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                          str(free_port()), str(ROOT / "pretrain_gpt.py")] + flags,
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                          "--master-port", str(free_port()), str(ROOT / "pretrain_gpt.py")] + flags,
                          capture_output=True, text=True, env=child_env(), timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "to torch_dist under" in run.stdout and "building train" not in run.stdout
-    rc, _, err = run_convert("--loader", "megatron", "--saver", "hf", "--load-dir", tmp_path / "dist",
+    return run.stdout
+
+
+def _assert_exports_to(ckpt_dir, hf_dir, tmp_path):
+    rc, _, err = run_convert("--loader", "megatron", "--saver", "hf", "--load-dir", ckpt_dir,
                              "--save-dir", tmp_path / "back")
     assert rc == 0, err
     assert_bitwise(_files(hf_dir), _files(tmp_path / "back"))
+
+
+def test_training_from_a_converted_checkpoint_starts_at_the_hf_loss(tmp_path):
+    """pretrain_gpt.py at tp 2 x cp 2 (ring), --finetune from the converted model: iteration 1's
+    loss (before any update) is transformers' loss on the same samples. The run saves torch_dist;
+    with --lr 0 its weights are the converted ones, and their export is the original bitwise."""
+    from tests.functional_tests.run import LINE
+
+    hf_dir, printed = _converted_at_tp2(tmp_path, "qwen2", "yarn")
+    seq, key, seed = 64, 4, 1234
+    out = _pretrain(4, printed + (
+        f"--context-parallel-size 2 --finetune --passkey-data --passkey-length {key} "
+        f"--seq-length {seq} --micro-batch-size 1 --global-batch-size 2 --train-iters 1 --lr 0 "
+        f"--save {tmp_path / 'trained'} --ckpt-format torch_dist --auto-detect-ckpt-format "
+        f"--tokenizer-type NullTokenizer --vocab-size {VOCAB - 1} --hidden-dropout 0 "
+        f"--attention-dropout 0 --log-interval 1 --eval-iters 0 --num-workers 0 --seed {seed}").split())
+    assert "loaded checkpoint" in out and "at iteration 0" in out
+    first = float(LINE.search(out).group(2))
+    theirs = _hf_passkey_loss(hf_dir, seq, key, 2, VOCAB - 1, seed)
+    # the log prints 7 significant digits; the model agrees to ~1e-7 (TOL above)
+    assert first == pytest.approx(theirs, rel=TOL), (first, theirs)
+    _assert_exports_to(tmp_path / "trained", hf_dir, tmp_path)
+
+
+def test_pretrain_converts_a_converted_checkpoint_to_torch_dist(tmp_path):
+    """Megatron's way to torch_dist: pretrain_gpt.py --ckpt-convert-format torch_dist loads the
+    released torch checkpoint at tp 2, saves it under --ckpt-convert-save and exits before any
+    data or training; that checkpoint exports to the original model bitwise."""
+    hf_dir, printed = _converted_at_tp2(tmp_path, "llama", "llama3")
+    out = _pretrain(2, printed + (
+        f"--ckpt-convert-format torch_dist --ckpt-convert-save {tmp_path / 'dist'} --mock-data --seq-length {SEQ} "
+        f"--micro-batch-size 1 --train-iters 1 --lr 1e-4 --tokenizer-type NullTokenizer --vocab-size {VOCAB - 1} "
+        f"--num-workers 0").split())
+    assert "to torch_dist under" in out and "building train" not in out
+    _assert_exports_to(tmp_path / "dist", hf_dir, tmp_path)
 
 
 # ---- tools/passkey_eval.py: the context-extension example's table -------------------------------
