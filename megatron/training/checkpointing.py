@@ -256,10 +256,11 @@ def _load_progress(args, state, obj: dict, pgs, megatron: bool) -> None:
 
 def recorded_args(path: str, pgs) -> dict:
     """The model arguments the torch-format checkpoint at `path` records, from this rank's file
-    memory-mapped (its tensors stay on disk); {} when the file is not there (the load says so)."""
+    memory-mapped (its tensors stay on disk)."""
     file = os.path.join(path, rank_dir_name(pgs), "model_optim_rng.pt")
     if not os.path.isfile(file):
-        return {}
+        raise ValueError(f"{path} has no {rank_dir_name(pgs)}/model_optim_rng.pt: a torch-format checkpoint loads "
+                         f"under the tensor / pipeline sizes that saved it (torch_dist loads under any)")
     saved = torch.load(file, map_location="cpu", weights_only=False, mmap=True)["args"]
     return saved if isinstance(saved, dict) else _megatron_args(saved)
 

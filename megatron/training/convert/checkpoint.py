@@ -121,10 +121,10 @@ def _read_torch_dist(path: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
               for key, meta in reader.read_metadata().state_dict_metadata.items()
               if isinstance(meta, TensorStorageMetadata) and not key.startswith(_NOT_MODEL)}
     load(stored, storage_reader=reader, no_dist=True)
-    whole = {}
+    whole, fused_names = {}, _fused_names()
     for key, value in stored.items():
         if key.startswith(_LAYERS):  # [layers, ...] -> one tensor per layer
-            name = _module_name(key[len(_LAYERS):])
+            name = _module_name(key[len(_LAYERS):], fused_names)
             whole.update({f"{_LAYERS}{i}.{name}": layer for i, layer in enumerate(value.unbind(0))})
         elif not (_tied(saved) and key == "output_layer.weight"):  # a tied output layer is the embedding
             whole[key] = value
@@ -134,15 +134,19 @@ def _read_torch_dist(path: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
 _LAYERS = "decoder.layers."
 
 
-def _module_name(stored: str) -> str:
-    """A layer's parameter name from its torch_dist key. megatron-core stores the local layer's
-    norms under Transformer Engine's fused names (its spec's sharded_state_dict_keys_map:
-    input_layernorm.weight as self_attention.linear_qkv.layer_norm_weight), so either
-    implementation reads the other's checkpoints; the module names are the inverse of that map."""
+def _fused_names() -> dict:
+    """megatron-core stores the local layer's norms under Transformer Engine's fused names (its
+    spec's sharded_state_dict_keys_map: input_layernorm.weight as
+    self_attention.linear_qkv.layer_norm_weight), so either implementation reads the other's
+    checkpoints. {module prefix: stored prefix}, as megatron-core's local spec has it."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    keys_map = get_gpt_layer_local_spec(normalization="RMSNorm").submodules.sharded_state_dict_keys_map
-    for module, fused in keys_map.items():
+    return get_gpt_layer_local_spec(normalization="RMSNorm").submodules.sharded_state_dict_keys_map
+
+
+def _module_name(stored: str, fused_names: dict) -> str:
+    """A layer's parameter name from its torch_dist key: the inverse of `fused_names`."""
+    for module, fused in fused_names.items():
         if stored.startswith(fused):
             return module + stored[len(fused):]
     return stored

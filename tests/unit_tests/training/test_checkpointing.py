@@ -197,3 +197,8 @@ def test_a_contradicting_model_is_one_line_before_anything_is_built(tmp_path, fm
     flipped = "torch" if fmt == "torch_dist" else "torch_dist"
     with pytest.raises(ArgsError, match=f"is a {fmt}-format checkpoint but --ckpt-format is {flipped}"):
         check_load(tiny_args(f"--load {tmp_path} --ckpt-format {flipped}"), pgs)
+    if fmt == "torch":  # saved under another layout: this rank's file is not there
+        path = checkpointing.latest_checkpoint(str(tmp_path))
+        os.rename(os.path.join(path, "mp_rank_00"), os.path.join(path, "mp_rank_01"))
+        with pytest.raises(ArgsError, match="has no mp_rank_00/model_optim_rng.pt: a torch-format checkpoint loads"):
+            check_load(args, pgs)
