@@ -33,18 +33,12 @@ UNSUPPORTED = {
                                                  "--decoder-first/last-pipeline-num-layers)",
     "--account-for-loss-in-pipeline-split": "stages are split by transformer layers only (uneven stages: "
                                             "--decoder-first/last-pipeline-num-layers)",
-    "--num-virtual-stages-per-pipeline-rank": "use --num-layers-per-virtual-pipeline-stage",
-    "--microbatch-group-size-per-virtual-pipeline-stage": "the interleaved schedule groups micro-batches by "
-                                                          "the pipeline size only",
-    "--overlap-p2p-communication-warmup-flush": "pipeline p2p overlap is not implemented",
     "--step-batch-size-schedule": "batch-size ramp-up is not implemented",
     "--eval-global-batch-size": "evaluation uses the training global batch size",
     "--save-retain-interval": "checkpoint retention is not implemented: every save is kept",
     "--num-distributed-optimizer-instances": "one distributed-optimizer instance only",
     "--wgrad-deferral-limit": "weight-gradient deferral is not implemented",
     "--defer-embedding-wgrad-compute": "weight-gradient deferral is not implemented",
-    "--error-injection-rate": "Megatron's rerun state machine is not implemented",
-    "--error-injection-type": "Megatron's rerun state machine is not implemented",
 }
 
 # megatron-core's StrictHandling values (spelled out: importing megatron.core costs seconds, and
@@ -95,6 +89,8 @@ NO_OP = {
     "--apply-query-key-layer-scaling": "it divides the scores by the layer number and multiplies them back "
                                        "inside the softmax, which changes nothing mathematically; it keeps "
                                        "fp16 scores in range, and every kernel here scales them in fp32",
+    "--overlap-p2p-communication-warmup-flush": "pipeline sends never block and each receive is posted ahead, "
+                                                "in every phase of every schedule (warm-up and flush included)",
 }
 
 
@@ -142,6 +138,13 @@ def _parallel(p):
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help="interleaved schedule: layers per model chunk")
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
+                   help="interleaved schedule: model chunks per pipeline rank (instead of "
+                        "--num-layers-per-virtual-pipeline-stage)")
+    g.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int, default=None,
+                   dest="microbatch_group_size_per_vp_stage",
+                   help="interleaved schedule: micro-batches each chunk runs before the next chunk takes them "
+                        "(default: the pipeline size); at least the pipeline size")
     g.add_argument("--pipe-sp-splits", type=int, default=1,
                    help="Seq1F1B: sequence segments per micro-batch (1 = 1F1B)")
     g.add_argument("--pipe-sp-strategy", choices=["average", "uniform_comp"], default="average",
@@ -285,9 +288,22 @@ def _training(p):
                                                                       "collections (0: none during training)")
     g.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval",
                    help="with --manual-gc: no collection around evaluations")
-    g.add_argument("--rerun-mode", choices=["disabled", "validate_results", "report_stats"], default="disabled",
-                   help="only disabled: Megatron's rerun state machine (re-running an iteration to tell a "
-                        "transient fault from a reproducible one) is not implemented; a NaN loss stops the run")
+    g.add_argument("--rerun-mode", choices=["disabled", "validate_results", "report_stats"], default="validate_results",
+                   help="Megatron's rerun state machine. validate_results: an iteration whose loss fails a check "
+                        "(NaN, Inf, spiky) runs again in place to tell a transient fault (exit 17) from a "
+                        "reproducible result (checkpoint, exit 16: resume on other hardware); report_stats: every "
+                        "iteration runs twice and the log reports how much the checked values differ; "
+                        "disabled: a NaN or Inf loss stops the run")
+    g.add_argument("--error-injection-rate", type=int, default=0,
+                   help="--rerun-mode validate_results: reject one loss check in N on each rank (0: never), to "
+                        "exercise the reruns")
+    g.add_argument("--error-injection-type", choices=["correct_result", "transient_error", "persistent_error"],
+                   default="transient_error",
+                   help="how the reruns of an injected rejection compare: transient_error differs in place, "
+                        "persistent_error differs on other hardware, correct_result agrees on both")
+    g.add_argument("--check-for-spiky-loss", action="store_true",
+                   help="reject a loss >= 10x the largest of the first 100 micro-batches (not fatal: with "
+                        "--rerun-mode validate_results the iteration runs again, then goes on)")
 
 
 def _rope_scaling(p):

@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 
 from megatron.longseq.random import load_rng_state_dict, rng_state_dict
+from megatron.training.rerun import gathered_states, restore_states
+from megatron.training.metrics import print_rank_0
 from megatron.training.model import unwrap
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -107,9 +109,10 @@ def save_checkpoint(args, state, pgs) -> str:
     dist.barrier()
     rank_dir = os.path.join(tmp, rank_dir_name(pgs))
     sharded = state.optimizer.buffer.shards > 1
+    rerun = gathered_states(state.rerun)  # collective: before the writers go their own way
     if pgs.index("dp_cp") == 0:  # the model is replicated over dp x cp: one writer per (tp, pp)
         os.makedirs(rank_dir, exist_ok=True)
-        atomic_torch_save(_main_file(args, state, sharded), os.path.join(rank_dir, "model_optim_rng.pt"))
+        atomic_torch_save(_main_file(args, state, sharded, rerun), os.path.join(rank_dir, "model_optim_rng.pt"))
     dist.barrier()
     if sharded and not args.no_save_optim:
         atomic_torch_save(state.optimizer.state_dict(), _shard_path(rank_dir, pgs))
@@ -142,7 +145,7 @@ def _shard_path(rank_dir: str, pgs) -> str:
     return os.path.join(rank_dir, f"distrib_optim_dp_{pgs.index('dp_cp'):03d}.pt")
 
 
-def _main_file(args, state, sharded: bool) -> dict:
+def _main_file(args, state, sharded: bool, rerun: Optional[list]) -> dict:
     obj = {
         "checkpoint_version": CHECKPOINT_VERSION,
         "args": saved_args(args),
@@ -157,6 +160,8 @@ def _main_file(args, state, sharded: bool) -> dict:
         obj["optimizer"] = state.optimizer.state_dict()
     if not args.no_save_rng:
         obj["rng_state"] = rng_state_dict()
+    if rerun is not None:
+        obj["rerun_state_machine"] = rerun
     return obj
 
 
@@ -252,6 +257,8 @@ def _load_progress(args, state, obj: dict, pgs, megatron: bool) -> None:
     state.consumed_train_samples = counters.get("consumed_train_samples", 0)
     state.consumed_valid_samples = counters.get("consumed_valid_samples", 0)
     state.flops_so_far = obj.get("num_floating_point_operations_so_far", 0)
+    if not megatron:  # Megatron keeps its machine's state in torch_dist checkpoints only
+        restore_states(state.rerun, obj.get("rerun_state_machine"), log=print_rank_0)
 
 
 def recorded_args(path: str, pgs) -> dict:

@@ -44,8 +44,10 @@ from megatron.core.dist_checkpointing.strategies.torch import (
     TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy)
 
 from megatron.longseq.random import load_rng_state_dict, rng_state_dict
+from megatron.training.rerun import gathered_states, restore_states
 from megatron.training.checkpointing import (
     CHECKPOINT_VERSION, LAYOUT_ARGS, check_args, iteration_dir, load_schedule, model_keys, publish, saved_args)
+from megatron.training.metrics import print_rank_0
 from megatron.training.model import unwrap
 from megatron.training.optimizer import MODEL_SPACE
 
@@ -128,6 +130,9 @@ def _common(args, state, pgs) -> dict:
         "num_floating_point_operations_so_far": state.flops_so_far,
         "rng_saved": not args.no_save_rng,
     }
+    rerun = gathered_states(state.rerun)
+    if rerun is not None:
+        common["rerun_state_machine"] = rerun
     if not args.no_save_optim:
         common["optimizer_steps"] = state.optimizer.adam_steps()
         if state.optimizer.scaler is not None:
@@ -316,3 +321,4 @@ def load_checkpoint(args, state, pgs, path: str) -> None:
     state.consumed_train_samples = common["consumed_train_samples"]
     state.consumed_valid_samples = common["consumed_valid_samples"]
     state.flops_so_far = common["num_floating_point_operations_so_far"]
+    restore_states(state.rerun, common.get("rerun_state_machine"), log=print_rank_0)

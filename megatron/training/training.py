@@ -39,6 +39,7 @@ from megatron.training.memo_setup import setup_memo
 from megatron.training.loss_scaler import loss_scaler
 from megatron.training.model import fusions, params_dtype, unwrap
 from megatron.training.optimizer import DistributedAdam
+from megatron.training.rerun import Injector, Replay, RerunMachine, loss_checks, this_device
 from megatron.training.timers import Timers
 from megatron.training.tokenizer import build_tokenizer
 from megatron.training.validate import padded_vocab_size, validate_args, world_size_from_env
@@ -52,6 +53,7 @@ class TrainState:
     pipeline: Pipeline
     memo: object = None
     saver: Optional[dist_ckpt.CheckpointSaver] = None  # torch_dist saves (one may be in flight)
+    rerun: Optional[RerunMachine] = None
     iteration: int = 0
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0
@@ -128,7 +130,8 @@ def build_pipeline(args, pgs) -> Pipeline:
     div = pgs.size("cp") * (args.tensor_model_parallel_size if args.sequence_parallel else 1)
     pipeline = Pipeline(size=pgs.size("pp"), rank=pgs.index("pp"), chunks=args.virtual_pipeline_chunks,
                         segment_tokens=[n // div for n in args.segment_lengths], hidden=args.hidden_size,
-                        links=pgs.links, members=pgs.members["pp"], measure_activations=args.timing_log_level >= 1)
+                        links=pgs.links, members=pgs.members["pp"], group=args.pipeline_group_units,
+                        measure_activations=args.timing_log_level >= 1)
     connect_links(pgs.links, dist.get_rank(), device_of(args))
     return pipeline
 
@@ -151,7 +154,8 @@ def setup(args, pgs, model_provider):
         config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = buffer.no_sync
     config.finalize_model_grads_func = partial(finalize_model_grads, buffer, pgs)
-    return TrainState(chunks, optimizer, build_scheduler(args, optimizer), build_pipeline(args, pgs))
+    return TrainState(chunks, optimizer, build_scheduler(args, optimizer), build_pipeline(args, pgs),
+                      rerun=build_rerun(args, pgs))
 
 
 def reduce_reports(reports, pgs, device) -> Dict[str, float]:
@@ -174,7 +178,25 @@ def _replaying(memo):
 
 
 def train_step(forward_step_func, data_iterator, state: TrainState, args, pgs, timers):
+    rerun, replay = state.rerun, data_iterator if isinstance(data_iterator, Replay) else None
+    while rerun.should_run(replay, state.iteration + 1):
+        reports = _forward_backward(forward_step_func, data_iterator, state, args, timers)
+        rerun.validate(_local_losses(reports))
+    save, exit_code = rerun.outcome()
+    if exit_code:
+        _rerun_exit(args, state, pgs, save, exit_code)
+    timers("optimizer", 1).start()
+    updated, grad_norm, num_zeros = state.optimizer.step(count_zeros=args.log_num_zeros_in_grad)
+    timers("optimizer").stop()
+    _settle(state.memo)
+    if updated:  # an fp16 step skipped on overflow leaves the schedule where it was (Megatron)
+        state.scheduler.step(increment=args.global_batch_size)
+    return reduce_reports(reports, pgs, state.optimizer.main_data.device), grad_norm, num_zeros, not updated
+
+
+def _forward_backward(forward_step_func, data_iterator, state: TrainState, args, timers):
     state.optimizer.zero_grad()
+    _settle(state.memo)  # a rerun's frees from the run before it
     timers("forward-backward", 1).start()
     with _replaying(state.memo):
         reports = forward_backward_seq1f1b(
@@ -183,17 +205,59 @@ def train_step(forward_step_func, data_iterator, state: TrainState, args, pgs, t
             micro_batch_size=args.micro_batch_size, forward_only=False, p2p_communicator=state.pipeline,
         )
     timers("forward-backward").stop()
-    timers("optimizer", 1).start()
-    updated, grad_norm, num_zeros = state.optimizer.step(count_zeros=args.log_num_zeros_in_grad)
-    timers("optimizer").stop()
-    if state.memo is not None and state.memo.allocator is not None:
-        state.memo.allocator.settle()  # the iteration's frees are safe to reuse from here
-    if updated:  # an fp16 step skipped on overflow leaves the schedule where it was (Megatron)
-        state.scheduler.step(increment=args.global_batch_size)
-    losses = reduce_reports(reports, pgs, state.optimizer.main_data.device)
-    if args.check_for_nan_in_loss_and_grad and any(not math.isfinite(v) for v in losses.values()):
-        raise FloatingPointError(f"loss is {losses} at iteration {state.iteration + 1}")
-    return losses, grad_norm, num_zeros, not updated
+    return reports
+
+
+def _settle(memo) -> None:
+    if memo is not None and memo.allocator is not None:
+        memo.allocator.settle()  # the iteration's frees are safe to reuse from here
+
+
+def _local_losses(reports) -> List[float]:
+    """This rank's reported loss sums, micro-batch by micro-batch (what Megatron's loss checks
+    see: before any reduction), in one transfer."""
+    if not reports:
+        return []
+    return torch.stack([r[key][0].detach().float().cpu() for r in reports for key in r]).tolist()
+
+
+def build_rerun(args, pgs) -> RerunMachine:
+    device, rank = device_of(args), dist.get_rank()
+
+    def any_rank(flags):
+        flags = torch.tensor(flags, dtype=torch.int32, device=device)
+        dist.all_reduce(flags)
+        return [bool(f) for f in flags.tolist()]
+
+    injector = Injector(args.error_injection_rate, args.error_injection_type, rank, args.seed)
+    checks = loss_checks(nan=args.check_for_nan_in_loss_and_grad, spiky=args.check_for_spiky_loss)
+    return RerunMachine(args.rerun_mode, injector, any_rank, this_device(device), checks,
+                        log=lambda m: print(f"[rank {rank}] {m}", flush=True), say=print_rank_0)
+
+
+def _rerun_exit(args, state: TrainState, pgs, save: bool, exit_code: int) -> None:
+    """The rerun state machine ends the run: the state before this iteration is saved where it
+    asks (its own state included, so that a resumed run repeats the iteration), then exit."""
+    if save and args.save:
+        save_and_report(args, state, pgs)
+    elif save:
+        print_rank_0("rerun: no --save, so no checkpoint to resume the iteration from")
+    if state.saver is not None:
+        state.saver.finish(blocking=True)
+    print_rank_0(f"rerun: exiting with status {exit_code} at iteration {state.iteration + 1}")
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.exit(exit_code)
+
+
+def report_determinism(rerun: RerunMachine, iteration: int) -> None:
+    """--rerun-mode report_stats: how far every loss of the last iterations' reruns moved, over
+    all ranks (collective)."""
+    stats = [None] * dist.get_world_size()
+    dist.all_gather_object(stats, rerun.stats())
+    compared, largest = sum(n for n, _ in stats), max(d for _, d in stats)
+    print_rank_0(f"rerun: determinism up to iteration {iteration}: {compared} losses run twice, largest relative "
+                 f"difference {largest:.3e}")
 
 
 def _train_mode(chunks, training: bool) -> None:
@@ -373,6 +437,8 @@ def train(forward_step_func, train_iter, valid_iter, state: TrainState, args, pg
         state.consumed_train_samples += args.global_batch_size
         state.flops_so_far += reporter.flops_per_iter
         reporter.iteration(state, losses, grad_norm, num_zeros, skipped)
+        if args.rerun_mode == "report_stats" and state.iteration % args.log_interval == 0:
+            report_determinism(state.rerun, state.iteration)
         if state.saver is not None:
             state.saver.finish(blocking=False)  # publish a background save once every rank has written it
         interval = args.check_weight_hash_across_dp_replicas_interval
@@ -503,6 +569,8 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     train_ds, valid_ds, test_ds = train_valid_test_datasets_provider(args, tokenizer, train_valid_test_num_samples(args))
     train_iter = build_loader(train_ds, state.consumed_train_samples, args, pgs, tokenizer.eod)
     valid_iter = build_loader(valid_ds, state.consumed_valid_samples, args, pgs, tokenizer.eod)
+    if args.rerun_mode != "disabled" and train_iter is not None:
+        train_iter = Replay(train_iter)  # an iteration may run again on the same micro-batches
     print_rank_0(f"> setup done in {time.perf_counter() - start:.1f} s; training ...")
     timers = Timers(args.timing_log_level, args.device_type == "cuda")
     tb = TensorboardLogger(args.tensorboard_dir)

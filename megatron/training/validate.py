@@ -42,7 +42,7 @@ def validate_args(args: argparse.Namespace, world_size: int, errors: Sequence[st
     errors = list(errors)
     for check in (_required, _model_args, partial(_parallel_args, world_size=world_size), _batch_args,
                   _precision_args, _overlap_args, _pipeline_args, _schedule_args, _recompute_args, _memo_args,
-                  _data_args, _checkpoint_args):
+                  _data_args, _rerun_args, _checkpoint_args):
         try:
             check(args)
         except ArgsError as err:  # the first problem of each group of flags
@@ -215,22 +215,19 @@ def _overlap_args(args):
 def _pipeline_args(args):
     """Layers per stage and chunk, the Seq1F1B segment lengths, and what the schedule needs."""
     p, L, k = args.pipeline_model_parallel_size, args.num_layers, args.pipe_sp_splits
-    v = 1
-    if args.num_layers_per_virtual_pipeline_stage is not None:
-        per = args.num_layers_per_virtual_pipeline_stage
-        _require(per > 0 and L % (p * per) == 0,
-                 f"--num-layers {L} is not divisible by --pipeline-model-parallel-size {p} x "
-                 f"--num-layers-per-virtual-pipeline-stage {per} = {p * per}")
-        v = L // (p * per)
-        _require(p > 1 or v == 1, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+    v = _virtual_chunks(args, p, L)
     first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
     if first is None and last is None:
         _require(L % (p * v) == 0, f"--num-layers {L} is not divisible by --pipeline-model-parallel-size {p}")
     else:
         _uneven_stages(L, p, v, first, last)
     args.virtual_pipeline_chunks = v
+    group = args.microbatch_group_size_per_vp_stage
+    _require(group is None or v > 1, "--microbatch-group-size-per-virtual-pipeline-stage needs an interleaved "
+                                     "schedule (--num-layers-per-virtual-pipeline-stage)")
+    args.pipeline_group_units = group * k if group else None  # groups hold whole micro-batches' segments
     try:
-        plan.check(p, args.num_microbatches, k, v)
+        plan.check(p, args.num_microbatches, k, v, args.pipeline_group_units)
     except plan.ScheduleError as err:
         raise ArgsError(f"{err} (micro-batches = global batch / (micro batch x dp) = {args.num_microbatches})") from None
     granularity = 2 * args.context_parallel_size if args.context_parallel_size > 1 else 1
@@ -243,6 +240,26 @@ def _pipeline_args(args):
         raise ArgsError(str(err)) from None
     if k > 1:
         _require(args.attention_dropout == 0.0, "--attention-dropout must be 0 with --pipe-sp-splits > 1")
+
+
+def _virtual_chunks(args, p: int, L: int) -> int:
+    """Model chunks per pipeline rank, from either of Megatron's spellings."""
+    per, chunks = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
+    _require(per is None or chunks is None, "give one of --num-layers-per-virtual-pipeline-stage and "
+                                            "--num-virtual-stages-per-pipeline-rank")
+    if chunks is not None:
+        _require(chunks > 0 and L % (p * chunks) == 0,
+                 f"--num-layers {L} is not divisible by --pipeline-model-parallel-size {p} x "
+                 f"--num-virtual-stages-per-pipeline-rank {chunks} = {p * chunks}")
+        per = L // (p * chunks)
+    if per is None:
+        return 1
+    _require(per > 0 and L % (p * per) == 0,
+             f"--num-layers {L} is not divisible by --pipeline-model-parallel-size {p} x "
+             f"--num-layers-per-virtual-pipeline-stage {per} = {p * per}")
+    v = L // (p * per)
+    _require(p > 1 or v == 1, "an interleaved schedule needs --pipeline-model-parallel-size > 1")
+    return v
 
 
 def stage_layers(num_layers: int, p: int, first, last, stage: int) -> int:
@@ -365,9 +382,13 @@ def _saved_plan(path: str) -> None:
         raise ArgsError(f"--memo-plan: {err}") from None
 
 
+def _rerun_args(args):
+    _require(args.error_injection_rate >= 0, f"--error-injection-rate must be >= 0, got {args.error_injection_rate}")
+    _require(args.error_injection_rate == 0 or args.rerun_mode == "validate_results",
+             "--error-injection-rate needs --rerun-mode validate_results (nothing reruns otherwise)")
+
+
 def _data_args(args):
-    _require(args.rerun_mode == "disabled", f"--rerun-mode {args.rerun_mode}: Megatron's rerun state machine is "
-             "not implemented (a NaN loss stops the run); use --rerun-mode disabled")
     _require(int(args.mock_data) + int(args.passkey_data) + int(bool(args.data_path)) == 1,
              "give exactly one of --mock-data, --passkey-data and --data-path")
     if args.passkey_data:

@@ -10,7 +10,7 @@ import pytest
 from megatron.training.passkey import CHANCE_LOSS
 from megatron.training.checkpointing import TRACKER
 from tests.functional_tests.cases import BY_NAME, CASES, COMMON, TRAIN_ITERS, Case
-from tests.functional_tests.run import ROOT, load_golden, run_case
+from tests.functional_tests.run import ROOT, command, load_golden, run_case
 from tests.unit_tests.dist_utils import child_env, free_port
 
 # Same machine, same session: a parallel layout differs from one rank only by the order of fp32
@@ -223,3 +223,39 @@ def test_torch_dist_checkpoint_resumes_in_other_layouts(tmp_path):
         assert sorted(resumed) == [5, 6, 7, 8], name
         for step, loss in {**first, **resumed}.items():
             assert abs(loss - ref[step]) <= LAYOUT_RTOL * ref[step], (name, step, loss, ref[step])
+
+
+def _run_exit(case: Case, workdir, extra):
+    proc = subprocess.run(command(case, list(extra), None), cwd=workdir, capture_output=True, text=True,
+                          timeout=300, env=child_env())
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_rerun_report_stats_runs_every_iteration_twice_and_changes_nothing(runs):
+    """With dropout: the rerun repeats the first run's micro-batches and random streams, so every
+    loss is the same (relative difference 0) and the curve is the validated run's, bitwise."""
+    case = BY_NAME["gpt_dropout"]
+    twice = run_case(case, runs.workdir, ["--rerun-mode", "report_stats"])
+    assert twice == runs(case.name)
+    assert twice.log.count("rerun: determinism up to iteration") == TRAIN_ITERS
+    assert f"determinism up to iteration {TRAIN_ITERS}: 4 losses run twice, largest relative difference " \
+           "0.000e+00" in twice.log
+
+
+def test_rerun_injected_errors_checkpoint_and_exit_as_megatrons(tmp_path):
+    """Two pipeline stages, --error-injection-rate 1 (the second iteration's first loss check is
+    rejected on the last stage): a persistent error reproduces in place, so the state before
+    iteration 2 is saved with the machine's and the run exits 16; resumed on the same node and
+    device it exits 16 again. A transient error does not reproduce: checkpoint, exit 17."""
+    case = BY_NAME["gpt_base_pp2_1f1b"]
+    ckpt = str(tmp_path / "ckpt")
+    inject = ["--error-injection-rate", "1", "--save", ckpt, "--save-interval", "100"]
+    code, log = _run_exit(case, tmp_path, inject + ["--error-injection-type", "persistent_error"])
+    assert code != 0 and "exitcode  : 16" in log, log[-3000:]
+    assert "reproducible in place" in log and (tmp_path / "ckpt" / TRACKER).read_text() == "1"
+    code, log = _run_exit(case, tmp_path, inject + ["--error-injection-type", "persistent_error", "--load", ckpt])
+    assert "exitcode  : 16" in log and "resumed on the node and device that reproduced the result" in log, log[-3000:]
+    ckpt = str(tmp_path / "torch")
+    code, log = _run_exit(case, tmp_path, inject[:2] + ["--save", ckpt, "--ckpt-format", "torch"])
+    assert "exitcode  : 17" in log and "possible transient error" in log, log[-3000:]
+    assert (tmp_path / "torch" / TRACKER).read_text() == "1"

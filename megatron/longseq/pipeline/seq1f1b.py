@@ -37,6 +37,7 @@ class Pipeline:
     hidden: int  # activation width (per tp rank's sequence shard: [s, b, hidden])
     links: Dict[tuple, object]
     members: List[int]  # global ranks of the pipeline group, by stage
+    group: Optional[int] = None  # interleaved: units per chunk group (default: the pipeline size)
     record_timeline: bool = False
     # Meter saved activations (a saved-tensor hook on every forward: Python per saved tensor, and
     # torch.compile guards on it), only when the log reports them (--timing-log-level >= 1).
@@ -131,8 +132,9 @@ class _Runner:
 
     def _ops_of(self, stage: int) -> List[Op]:
         if self.forward_only:
-            return [op for op in rank_schedule(self.p, stage, self.m, self.k, self.v).ops if op.kind == "F"]
-        return rank_schedule(self.p, stage, self.m, self.k, self.v).ops
+            return [op for op in rank_schedule(self.p, stage, self.m, self.k, self.v, self.pipe.group).ops
+                    if op.kind == "F"]
+        return rank_schedule(self.p, stage, self.m, self.k, self.v, self.pipe.group).ops
 
     def _shape(self, key):
         """[segment tokens, micro-batch, hidden]: activations and their gradients alike."""

@@ -1,6 +1,6 @@
 """Pipeline layouts against one stage: the loss and every parameter's gradient of a GPT iteration
 (2 micro-batches) are the same for pp 2 and 4, Seq1F1B splits 1/2/4 (average and uniform_comp),
-interleaved or not, combined with tensor parallel 2 and context parallel 2, and with MEMO's
+interleaved or not (chunk groups of the pipeline size or larger), combined with tensor parallel 2 and context parallel 2, and with MEMO's
 token-wise swap/recompute at several alphas."""
 import pytest
 import torch
@@ -103,6 +103,9 @@ CASES = {
         "--pipeline-model-parallel-size 2 --pipe-sp-splits 2 --pipe-sp-strategy uniform_comp",
         "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2 --pipe-sp-splits 2",
         "--pipeline-model-parallel-size 2 --pipe-sp-splits 4",
+        # Megatron's spellings: 2 chunks per rank, chunk groups of 4 micro-batches (> pp 2; 4 of 1 sample)
+        "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
+        "--microbatch-group-size-per-virtual-pipeline-stage 4 --pipe-sp-splits 2 --micro-batch-size 1",
         "--pipeline-model-parallel-size 2 --pipe-sp-splits 2 --memo --memo-swap-fraction 0.25",
         "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2 --pipe-sp-splits 2 "
         "--memo --memo-swap-fraction 0",

@@ -101,3 +101,26 @@ def test_simulator_on_a_directory_without_a_timeline_fails_in_one_line(tmp_path,
     assert info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "--from-run" in err and "no rank_*.json timeline there" in err
+
+
+@pytest.mark.parametrize("p, v, k, group", [(4, 3, 1, 5), (2, 2, 1, 3), (3, 2, 2, 6), (4, 2, 1, 8), (2, 3, 2, 4)])
+def test_interleaved_groups_of_any_size_at_least_the_pipeline_complete(p, v, k, group):
+    """Megatron's --microbatch-group-size-per-virtual-pipeline-stage (group = that x k units):
+    every unit once per chunk in order, no deadlock, and the warm-up is Megatron's
+    2 (P - i - 1) + (v - 1) G for k = 1."""
+    m = 2 * group // k
+    schedules = all_schedules(p, m, k, v, group)
+    timeline = simulate(schedules, v, k)
+    assert len(timeline.events) == 2 * p * m * k * v
+    for sched in schedules:
+        for c in range(v):
+            assert [op.unit for op in sched.ops if op.kind == "F" and op.chunk == c] == \
+                [(mb, s) for mb in range(m) for s in range(k)]
+        forwards = [op.chunk for op in sched.ops if op.kind == "F"]
+        assert forwards[:2 * group] == [0] * group + [1] * group  # G units on chunk 0, then on chunk 1
+        if k == 1:
+            assert len(sched.phases[0].ops) == min(2 * (p - sched.rank - 1) + (v - 1) * group, m * v)
+    with pytest.raises(ScheduleError, match="at least the pipeline size"):
+        all_schedules(4, 8, 1, 2, 2)
+    with pytest.raises(ScheduleError, match="not divisible by 5"):
+        all_schedules(4, 8, 1, 2, 5)

@@ -32,7 +32,7 @@ def test_megatron_defaults():
                     rotary_percent=1.0, position_embedding_type="learned_absolute", normalization="LayerNorm",
                     tensor_model_parallel_size=1, pipeline_model_parallel_size=1, add_bias_linear=True,
                     untie_embeddings_and_output_weights=False, timing_log_level=0, attention_backend="auto",
-                    split="969, 30, 1", lr_warmup_iters=0, rerun_mode="disabled", mmap_bin_files=True)
+                    split="969, 30, 1", lr_warmup_iters=0, rerun_mode="validate_results", mmap_bin_files=True)
     for key, value in expected.items():
         assert getattr(args, key) == value, key
 

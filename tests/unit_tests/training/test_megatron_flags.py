@@ -20,8 +20,9 @@ def _configs():
 
 
 def _local(flags):
-    """${VARS} of Megatron's CI replaced by a local path (the values are not read by the parser)."""
-    return ["/tmp/x" if "${" in f or f.startswith("$") else f for f in flags]
+    """${VARS} of Megatron's CI replaced by a local path (the values are not read by the parser);
+    ${REPEAT}, the CI's repetition number (--seed), by 1."""
+    return ["1" if f == "${REPEAT}" else "/tmp/x" if "${" in f or f.startswith("$") else f for f in flags]
 
 
 def test_every_flag_of_megatrons_gpt_configs_is_known():
@@ -53,14 +54,14 @@ def test_parse_and_validate_reports_parser_and_validation_problems_in_one_line(m
     monkeypatch.delenv("SLURM_NTASKS", raising=False)
     argv = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --micro-batch-size 1 "
             "--lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 100 --no-such-flag "
-            "--hidden-dropout 1.0 --rerun-mode validate_results").split()
+            "--hidden-dropout 1.0 --rerun-mode disabled --error-injection-rate 3").split()
     with pytest.raises(ArgsError) as info:
         training.parse_and_validate(argv)
     parts = str(info.value).split("; ")
     assert parts[0] == "unrecognized arguments: --no-such-flag"
     assert "--hidden-dropout must be in [0, 1)" in parts
     assert "--train-iters or --train-samples is required" in parts
-    assert any(p.startswith("--rerun-mode validate_results:") for p in parts)
+    assert "--error-injection-rate needs --rerun-mode validate_results (nothing reruns otherwise)" in parts
     assert "\n" not in str(info.value)
 
 

@@ -1,0 +1,160 @@
+"""The rerun state machine (--rerun-mode) as Megatron defines it: which runs happen, which exit
+status and checkpoint follow, for real and injected rejections, fatal and not (pure: one rank, its
+`any_rank` the identity; the multi-rank runs through pretrain_gpt.py are in test_rerun_runs.py)."""
+import math
+
+import pytest
+import torch
+
+from megatron.training.rerun import (
+    EXIT_FAILED_VALIDATION, EXIT_RESUME_ELSEWHERE, SPIKY_SAMPLES, Injector, Replay, RerunMachine, loss_checks,
+    relative_difference)
+
+HERE, ELSEWHERE = ("node-a", 0), ("node-b", 0)
+
+
+def machine(mode="validate_results", rate=0, kind="transient_error", where=HERE, spiky=False):
+    logs = []
+    m = RerunMachine(mode, Injector(rate, kind, rank=0, seed=0), lambda flags: list(flags), where,
+                     loss_checks(nan=True, spiky=spiky), log=logs.append, say=logs.append)
+    m.logs = logs
+    return m
+
+
+def iterate(m, iteration, losses_of_run, data=None):
+    """One iteration: run while the machine asks, run r giving losses_of_run(r). Returns
+    (runs, outcome)."""
+    runs = 0
+    while m.should_run(data, iteration):
+        m.validate(losses_of_run(runs))
+        runs += 1
+    return runs, m.outcome()
+
+
+def clean(m, iterations=1):
+    for i in range(1, iterations + 1):
+        assert iterate(m, i, lambda r: [2.0, 2.1]) == (1, (False, 0))
+
+
+def test_a_clean_iteration_runs_once_in_every_mode():
+    for mode in ("disabled", "validate_results"):
+        clean(machine(mode), 3)
+
+
+def test_disabled_and_the_first_iteration_stop_on_a_nan_loss():
+    with pytest.raises(FloatingPointError, match="loss is NaN"):
+        iterate(machine("disabled"), 1, lambda r: [math.nan])
+    m = machine()
+    with pytest.raises(FloatingPointError, match="loss is Inf"):  # nothing to checkpoint before a step
+        iterate(m, 1, lambda r: [1.0, math.inf])
+
+
+def test_a_reproducible_nan_checkpoints_and_asks_for_other_hardware_which_calls_it_right():
+    m = machine()
+    clean(m)
+    assert iterate(m, 2, lambda r: [1.0, math.nan]) == (2, (True, EXIT_RESUME_ELSEWHERE))
+    saved = m.state_dict()
+    call, value, injected = saved["failure"]
+    assert saved["iteration"] == 2 and call == ("loss is NaN", 2) and math.isnan(value) and not injected
+    same = machine()  # resumed on the hardware that reproduced it: resume again elsewhere
+    same.load_state_dict(saved)
+    assert iterate(same, 2, lambda r: [1.0, math.nan]) == (1, (False, EXIT_RESUME_ELSEWHERE))
+    other = machine(where=ELSEWHERE)
+    other.load_state_dict(saved)
+    assert iterate(other, 2, lambda r: [1.0, math.nan]) == (1, (False, EXIT_FAILED_VALIDATION))
+    assert any("the result is right" in line for line in other.logs)
+
+
+def test_a_nan_that_does_not_come_back_in_place_is_a_transient_fault():
+    m = machine()
+    clean(m)
+    assert iterate(m, 2, lambda r: [math.nan] if r == 0 else [1.5]) == (2, (True, EXIT_FAILED_VALIDATION))
+    assert any("possible transient error" in line for line in m.logs)
+
+
+def test_a_nan_that_differs_on_other_hardware_is_the_first_hardwares_persistent_fault():
+    m = machine()
+    clean(m)
+    iterate(m, 2, lambda r: [math.nan])
+    other = machine(where=ELSEWHERE)
+    other.load_state_dict(m.state_dict())
+    assert iterate(other, 2, lambda r: [3.0]) == (1, (False, EXIT_FAILED_VALIDATION))
+    assert any("possible persistent error" in line for line in other.logs)
+
+
+@pytest.mark.parametrize("kind, in_place, elsewhere", [
+    ("transient_error", (2, (True, EXIT_FAILED_VALIDATION)), None),
+    ("persistent_error", (2, (True, EXIT_RESUME_ELSEWHERE)), "possible persistent error"),
+    ("correct_result", (2, (True, EXIT_RESUME_ELSEWHERE)), "the result is right"),
+])
+def test_injected_errors_take_megatrons_paths(kind, in_place, elsewhere):
+    """--error-injection-rate 1: the first check of the second iteration is rejected; the same
+    finite losses come back every time, and the injected type alone decides."""
+    m = machine(rate=1, kind=kind)
+    clean_losses = lambda r: [2.0, 2.1]  # noqa: E731
+    assert iterate(m, 1, clean_losses) == (1, (False, 0))  # the first iteration is not validated
+    assert iterate(m, 2, clean_losses) == in_place
+    if elsewhere is None:
+        return
+    other = machine(rate=1, kind=kind, where=ELSEWHERE)
+    other.load_state_dict(m.state_dict())
+    assert iterate(other, 2, clean_losses) == (1, (False, EXIT_FAILED_VALIDATION))
+    assert any(elsewhere in line for line in other.logs)
+
+
+def test_injection_rate_n_rejects_about_one_check_in_n():
+    injector = Injector(10, "transient_error", rank=3, seed=0)
+    hits = 0
+    for _ in range(2000):
+        hits += injector.inject()
+        injector.pending = None  # judged
+    assert 150 < hits < 250
+
+
+def test_a_spiky_loss_reruns_and_goes_on_with_the_rerun():
+    m = machine(spiky=True)
+    for i in range(1, SPIKY_SAMPLES + 1):  # the yardstick: the largest of the first 100 losses
+        assert iterate(m, i, lambda r: [2.0]) == (1, (False, 0))
+    assert iterate(m, 101, lambda r: [19.9]) == (1, (False, 0))
+    assert iterate(m, 102, lambda r: [20.0]) == (2, (False, 0))  # >= 10 x 2.0: not fatal
+    assert iterate(m, 103, lambda r: [20.0] if r == 0 else [2.0]) == (2, (False, 0))
+
+
+def test_a_rerun_sees_the_same_micro_batches_and_random_streams():
+    m, data = machine(), Replay(iter(range(100)))
+    seen = []
+
+    def run(r):
+        seen.append(([next(data), next(data)], torch.rand(3)))
+        return [math.nan]
+
+    clean(m)
+    assert iterate(m, 2, run, data) == (2, (True, EXIT_RESUME_ELSEWHERE))
+    (batch0, rand0), (batch1, rand1) = seen
+    assert batch0 == batch1 == [0, 1]
+    assert torch.equal(rand0, rand1)
+    data.advance()
+    assert next(data) == 2
+
+
+def test_report_stats_runs_every_iteration_twice_and_measures_the_difference():
+    m = machine("report_stats")
+    assert iterate(m, 1, lambda r: [2.0, 4.0]) == (2, (False, 0))
+    assert iterate(m, 2, lambda r: [2.0, 4.0 * (1 + 1e-3 * r)]) == (2, (False, 0))
+    compared, largest = m.stats()
+    assert compared == 4 and largest == pytest.approx(1e-3, rel=1e-3)
+    assert m.stats() == (0, 0.0)
+
+
+def test_relative_difference():
+    assert relative_difference(1.0, 1.0) == 0.0
+    assert relative_difference(math.nan, math.nan) == 0.0
+    assert relative_difference(math.nan, 1.0) == math.inf
+    assert relative_difference(math.inf, 1.0) == math.inf
+    assert relative_difference(1.0, 3.0) == 1.0
+
+
+def test_nothing_to_checkpoint_unless_a_rerun_elsewhere_is_pending():
+    m = machine()
+    clean(m, 2)
+    assert m.state_dict() is None
