@@ -29,10 +29,6 @@ UNSUPPORTED = {
                                                   "(--overlap-param-gather), not with the optimizer step",
     "--apply-wd-to-qk-layernorm": "weight decay is never applied to norm weights (1-D parameters)",
     "--squared-relu": "the squared-ReLU activation is not implemented",
-    "--account-for-embedding-in-pipeline-split": "stages are split by transformer layers only (uneven stages: "
-                                                 "--decoder-first/last-pipeline-num-layers)",
-    "--account-for-loss-in-pipeline-split": "stages are split by transformer layers only (uneven stages: "
-                                            "--decoder-first/last-pipeline-num-layers)",
     "--step-batch-size-schedule": "batch-size ramp-up is not implemented",
     "--eval-global-batch-size": "evaluation uses the training global batch size",
     "--save-retain-interval": "checkpoint retention is not implemented: every save is kept",
@@ -161,6 +157,10 @@ def _parallel(p):
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                   help="the embedding counts as one layer of the first (virtual) stage in the even split")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                   help="the output layer and loss count as one layer of the last (virtual) stage in the even split")
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
                    help="layers of the first pipeline stage (default: an even share)")
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,

@@ -11,13 +11,13 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.longseq.attention.context_parallel import ContextParallel
 from megatron.longseq.attention.rope import RopeScaling
 from megatron.longseq.attention.spec import gpt_block_spec
 from megatron.longseq.config import LongSeqConfig
 from megatron.longseq.recompute import apply_full_recompute
 from megatron.training.init import initialize_parameters
-from megatron.training.validate import stage_layers
 
 
 def params_dtype(args) -> torch.dtype:
@@ -78,6 +78,8 @@ def transformer_config(args) -> LongSeqConfig:
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_chunks if args.virtual_pipeline_chunks > 1 else None,
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
         context_parallel_size=args.context_parallel_size,
         sequence_parallel=args.sequence_parallel,
         bf16=args.bf16,
@@ -133,10 +135,6 @@ def build_model_chunks(args, pgs, device: torch.device) -> List[torch.nn.Module]
     _quiet_cuda_advice(device)
     config = transformer_config(args)
     p, v, stage = args.pipeline_model_parallel_size, args.virtual_pipeline_chunks, pgs.index("pp")
-    # megatron-core numbers the layers from the same first/last counts (config), so layer names and
-    # checkpoint offsets follow the uneven split too
-    per_chunk = stage_layers(args.num_layers, p, args.decoder_first_pipeline_num_layers,
-                             args.decoder_last_pipeline_num_layers, stage) // v
     cp = ContextParallel.from_process_groups(pgs, args.segment_lengths)
     # embd=None: megatron-core's tied-embedding sync needs CUDA; init.py gives both copies the same
     # values and finalize_model_grads keeps their gradients summed.
@@ -146,7 +144,7 @@ def build_model_chunks(args, pgs, device: torch.device) -> List[torch.nn.Module]
         vs = c * p + stage
         chunks.append(GPTModel(
             config=config,
-            transformer_layer_spec=gpt_block_spec(config, per_chunk, args.transformer_impl, cp),
+            transformer_layer_spec=gpt_block_spec(config, chunk_layers(config, stage, c), args.transformer_impl, cp),
             vocab_size=args.padded_vocab_size,
             max_sequence_length=args.max_position_embeddings,
             pre_process=vs == 0,
@@ -164,6 +162,14 @@ def build_model_chunks(args, pgs, device: torch.device) -> List[torch.nn.Module]
             apply_full_recompute(model.decoder.layers, args.recompute_method, args.recompute_num_layers)
         model.to(device)
     return [Float16Module(config, m) if args.bf16 or args.fp16 else m for m in chunks]
+
+
+def chunk_layers(config, stage: int, chunk: int) -> int:
+    """Transformer layers of a model chunk, as megatron-core splits them (uneven first / last
+    stages, the embedding and loss counted in the split); it numbers the layers from the same
+    config, so layer names and checkpoint offsets follow."""
+    return get_num_layers_to_build(config, vp_stage=chunk if config.virtual_pipeline_model_parallel_size else None,
+                                   pp_rank=stage)
 
 
 def build_gpt_model(args, pgs, device: torch.device):

@@ -215,10 +215,17 @@ def _overlap_args(args):
 def _pipeline_args(args):
     """Layers per stage and chunk, the Seq1F1B segment lengths, and what the schedule needs."""
     p, L, k = args.pipeline_model_parallel_size, args.num_layers, args.pipe_sp_splits
-    v = _virtual_chunks(args, p, L)
     first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    # Megatron's accounting: the embedding and the loss each take one layer's place in the split
+    counted = int(args.account_for_embedding_in_pipeline_split) + int(args.account_for_loss_in_pipeline_split)
+    _require(not counted or (first is None and last is None), "--account-for-embedding/loss-in-pipeline-split "
+                                                               "and --decoder-first/last-pipeline-num-layers "
+                                                               "are two ways to split: give one")
+    v = _virtual_chunks(args, p, L + counted)
     if first is None and last is None:
-        _require(L % (p * v) == 0, f"--num-layers {L} is not divisible by --pipeline-model-parallel-size {p}")
+        _require((L + counted) % (p * v) == 0,
+                 f"--num-layers {L}{f' + {counted} counted' if counted else ''} is not divisible by "
+                 f"--pipeline-model-parallel-size {p}")
     else:
         _uneven_stages(L, p, v, first, last)
     args.virtual_pipeline_chunks = v
@@ -243,7 +250,8 @@ def _pipeline_args(args):
 
 
 def _virtual_chunks(args, p: int, L: int) -> int:
-    """Model chunks per pipeline rank, from either of Megatron's spellings."""
+    """Model chunks per pipeline rank, from either of Megatron's spellings (L: the layers split,
+    the embedding and loss included where they count)."""
     per, chunks = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
     _require(per is None or chunks is None, "give one of --num-layers-per-virtual-pipeline-stage and "
                                             "--num-virtual-stages-per-pipeline-rank")
@@ -260,17 +268,6 @@ def _virtual_chunks(args, p: int, L: int) -> int:
     v = L // (p * per)
     _require(p > 1 or v == 1, "an interleaved schedule needs --pipeline-model-parallel-size > 1")
     return v
-
-
-def stage_layers(num_layers: int, p: int, first, last, stage: int) -> int:
-    """Megatron's uneven split: the first and last stages take the layers given for them, the
-    stages between share the rest evenly."""
-    if stage == 0 and first is not None:
-        return first
-    if stage == p - 1 and last is not None:
-        return last
-    middle = p - (first is not None) - (last is not None)
-    return (num_layers - (first or 0) - (last or 0)) // middle
 
 
 def _uneven_stages(L, p, v, first, last):

@@ -106,6 +106,10 @@ CASES = {
         # Megatron's spellings: 2 chunks per rank, chunk groups of 4 micro-batches (> pp 2; 4 of 1 sample)
         "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
         "--microbatch-group-size-per-virtual-pipeline-stage 4 --pipe-sp-splits 2 --micro-batch-size 1",
+        # the embedding and the loss counted in the split: 8 + 2 over 10 chunks, the first and
+        # the last without a transformer layer
+        "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 5 "
+        "--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split",
         "--pipeline-model-parallel-size 2 --pipe-sp-splits 2 --memo --memo-swap-fraction 0.25",
         "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2 --pipe-sp-splits 2 "
         "--memo --memo-swap-fraction 0",

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron.training import training
-from megatron.training.arguments import ArgsError, NO_OP, UNSUPPORTED, build_parser, parse
+from megatron.training.arguments import ArgsError, NO_OP, UNSUPPORTED, _out_of_scope, build_parser, parse
 
 CONFIGS = Path(__file__).resolve().parents[2] / "functional_tests" / "megatron_configs" / "gpt_training_flags.json"
 
@@ -100,8 +100,9 @@ GPU_ONLY = {  # values that need a GPU, with what the CPU run uses instead
 }
 TAKES_VALUE = {"--data-path", "--split", "--data-cache-path", "--vocab-file", "--merge-file",
                "--distributed-backend", "--transformer-impl", "--attention-backend"}
-# Accepted when last measured (2026-11-22): it may only go up.
-ACCEPTED_AT_LEAST = 116
+# Accepted among the configs within this project's scope when last measured (2026-11-23, 129 of
+# 142; 19 more use out-of-scope families): it may only go up.
+ACCEPTED_AT_LEAST = 129
 
 
 def _words(flags):
@@ -151,24 +152,47 @@ def test_megatrons_configs_scaled_to_cpu_are_accepted_or_refused_with_reasons(tm
     for name, errors in refused.items():  # one line, led by a flag and its reason
         line = "; ".join(errors)
         assert "\n" not in line and line.startswith("--"), (name, line)
-    print(f"\n{len(accepted)} of {len(accepted) + len(refused)} Megatron GPT configs accepted on CPU")
-    assert len(accepted) >= ACCEPTED_AT_LEAST, sorted(refused.items())[:5]
+    outside = {name for name, errors in refused.items()
+               if any(_out_of_scope(e.split(":")[0]) for e in "; ".join(errors).split("; "))}
+    within = len(accepted) + len(refused) - len(outside)
+    print(f"\n{len(accepted)} of {within} Megatron GPT configs within scope accepted on CPU "
+          f"({100 * len(accepted) / within:.1f}%); {len(outside)} use out-of-scope families")
+    assert len(accepted) >= ACCEPTED_AT_LEAST, sorted(set(refused) - outside)
 
 
-def test_uneven_pipeline_stages_as_megatron_splits_them():
-    from megatron.training.validate import stage_layers
+def _chunk_layers(flags, world):
+    from megatron.training.model import chunk_layers, transformer_config
 
-    assert [stage_layers(10, 4, 1, 3, s) for s in range(4)] == [1, 3, 3, 3]
-    assert [stage_layers(8, 3, None, 2, s) for s in range(3)] == [3, 3, 2]
-    assert [stage_layers(8, 4, None, None, s) for s in range(4)] == [2, 2, 2, 2]
-    base = ("--num-layers 10 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --micro-batch-size 1 "
+    args = training.validate_args(parse(flags.split())[0], world)
+    config = transformer_config(args)
+    p, v = args.pipeline_model_parallel_size, args.virtual_pipeline_chunks
+    return [[chunk_layers(config, stage, c) for c in range(v)] for stage in range(p)]
+
+
+def test_pipeline_splits_as_megatrons():
+    """Uneven first / last stages, and the embedding and loss counted as layers (their chunks
+    build one transformer layer fewer), split as megatron-core does; bad splits are one line."""
+    base = ("--hidden-size 64 --num-attention-heads 4 --seq-length 128 --micro-batch-size 1 "
             "--global-batch-size 8 --train-iters 5 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer "
-            "--vocab-size 100 --pipeline-model-parallel-size 4 ")
+            "--vocab-size 100 ")
+    assert _chunk_layers(base + "--num-layers 10 --pipeline-model-parallel-size 4 --decoder-first-pipeline-num-layers 1 "
+                         "--decoder-last-pipeline-num-layers 3", 4) == [[1], [3], [3], [3]]
+    assert _chunk_layers(base + "--num-layers 8 --pipeline-model-parallel-size 3 "
+                         "--decoder-last-pipeline-num-layers 2", 3) == [[3], [3], [2]]
+    assert _chunk_layers(base + "--num-layers 6 --pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 2 "
+                         "--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split", 4) == \
+        [[0, 1], [1, 1], [1, 1], [1, 0]]  # Megatron's functional config: 6 layers + 2 over 8 chunks
+    assert _chunk_layers(base + "--num-layers 7 --pipeline-model-parallel-size 2 "
+                         "--account-for-embedding-in-pipeline-split", 2) == [[3], [4]]
     with pytest.raises(ArgsError, match="leaves 7 for 2 middle stage"):
-        training.validate_args(parse((base + "--decoder-first-pipeline-num-layers 1 "
-                                      "--decoder-last-pipeline-num-layers 2").split())[0], 4)
-    args = training.validate_args(parse((base + "--decoder-first-pipeline-num-layers 1").split())[0], 4)
-    assert args.virtual_pipeline_chunks == 1
+        _chunk_layers(base + "--num-layers 10 --pipeline-model-parallel-size 4 --decoder-first-pipeline-num-layers 1 "
+                      "--decoder-last-pipeline-num-layers 2", 4)
+    with pytest.raises(ArgsError, match=r"--num-layers 7 \+ 2 counted is not divisible"):
+        _chunk_layers(base + "--num-layers 7 --pipeline-model-parallel-size 2 "
+                      "--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split", 2)
+    with pytest.raises(ArgsError, match="two ways to split: give one"):
+        _chunk_layers(base + "--num-layers 8 --pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 3 "
+                      "--account-for-loss-in-pipeline-split", 2)
 
 
 def test_validation_and_test_lines_use_megatrons_words_and_tensorboard_names(monkeypatch, capsys):
