@@ -218,7 +218,7 @@ def _local_losses(reports) -> List[float]:
     see: before any reduction), in one transfer."""
     if not reports:
         return []
-    return torch.stack([r[key][0].detach().float().cpu() for r in reports for key in r]).tolist()
+    return torch.stack([r[key][0].detach().float() for r in reports for key in r]).tolist()
 
 
 def build_rerun(args, pgs) -> RerunMachine:
