@@ -83,14 +83,13 @@ class Injector:
         return True
 
     def differs(self, phase: str) -> bool:
-        """How the rerun in `phase` compares for the pending injection (then judged)."""
-        if phase == IN_PLACE:
-            differs = self.pending == "transient_error"
-            if differs:
-                self.pending = None
-            return differs
-        differs, self.pending = self.pending == "persistent_error", None
-        return differs
+        """How the rerun in `phase` compares for the pending injection: a transient error differs
+        in place, a persistent one on other hardware; the injection is judged where it differs,
+        or on other hardware at the latest."""
+        kind, differing = self.pending, "transient_error" if phase == IN_PLACE else "persistent_error"
+        if kind == differing or phase != IN_PLACE:
+            self.pending = None
+        return kind == differing
 
 
 @dataclass
@@ -330,9 +329,11 @@ def restore_states(machine: Optional[RerunMachine], states: Optional[list], log=
     iteration rank by rank: it trains on, as from any checkpoint)."""
     if machine is None or not states:
         return
-    if len(states) != dist.get_world_size() or machine.mode == "disabled":
+    why = (f"--rerun-mode {machine.mode}" if machine.mode != "validate_results" else
+           "another world size" if len(states) != dist.get_world_size() else None)
+    if why:  # only validate_results judges the repeated iteration
         log(f"rerun: the checkpoint asks to rerun iteration {states[0]['iteration']} on {len(states)} ranks; "
-            f"ignored ({'--rerun-mode disabled' if machine.mode == 'disabled' else 'another world size'})")
+            f"ignored ({why})")
         return
     machine.load_state_dict(states[dist.get_rank()])
 

@@ -221,7 +221,7 @@ def _pipeline_args(args):
     _require(not counted or (first is None and last is None), "--account-for-embedding/loss-in-pipeline-split "
                                                                "and --decoder-first/last-pipeline-num-layers "
                                                                "are two ways to split: give one")
-    v = _virtual_chunks(args, p, L + counted)
+    v = _virtual_chunks(args, p, L, counted)
     if first is None and last is None:
         _require((L + counted) % (p * v) == 0,
                  f"--num-layers {L}{f' + {counted} counted' if counted else ''} is not divisible by "
@@ -232,7 +232,8 @@ def _pipeline_args(args):
     group = args.microbatch_group_size_per_vp_stage
     _require(group is None or v > 1, "--microbatch-group-size-per-virtual-pipeline-stage needs an interleaved "
                                      "schedule (--num-layers-per-virtual-pipeline-stage)")
-    args.pipeline_group_units = group * k if group else None  # groups hold whole micro-batches' segments
+    # groups hold whole micro-batches' segments; plan.check refuses a group smaller than the pipeline
+    args.pipeline_group_units = group * k if group is not None else None
     try:
         plan.check(p, args.num_microbatches, k, v, args.pipeline_group_units)
     except plan.ScheduleError as err:
@@ -249,23 +250,25 @@ def _pipeline_args(args):
         _require(args.attention_dropout == 0.0, "--attention-dropout must be 0 with --pipe-sp-splits > 1")
 
 
-def _virtual_chunks(args, p: int, L: int) -> int:
-    """Model chunks per pipeline rank, from either of Megatron's spellings (L: the layers split,
-    the embedding and loss included where they count)."""
+def _virtual_chunks(args, p: int, L: int, counted: int) -> int:
+    """Model chunks per pipeline rank, from either of Megatron's spellings; the split is of L
+    layers plus the `counted` embedding / loss."""
     per, chunks = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
     _require(per is None or chunks is None, "give one of --num-layers-per-virtual-pipeline-stage and "
                                             "--num-virtual-stages-per-pipeline-rank")
+    layers = f"--num-layers {L}{f' + {counted} counted' if counted else ''}"
     if chunks is not None:
-        _require(chunks > 0 and L % (p * chunks) == 0,
-                 f"--num-layers {L} is not divisible by --pipeline-model-parallel-size {p} x "
+        _require(chunks > 0 and (L + counted) % (p * chunks) == 0,
+                 f"{layers} is not divisible by --pipeline-model-parallel-size {p} x "
                  f"--num-virtual-stages-per-pipeline-rank {chunks} = {p * chunks}")
-        per = L // (p * chunks)
-    if per is None:
+        v = chunks
+    elif per is not None:
+        _require(per > 0 and (L + counted) % (p * per) == 0,
+                 f"{layers} is not divisible by --pipeline-model-parallel-size {p} x "
+                 f"--num-layers-per-virtual-pipeline-stage {per} = {p * per}")
+        v = (L + counted) // (p * per)
+    else:
         return 1
-    _require(per > 0 and L % (p * per) == 0,
-             f"--num-layers {L} is not divisible by --pipeline-model-parallel-size {p} x "
-             f"--num-layers-per-virtual-pipeline-stage {per} = {p * per}")
-    v = L // (p * per)
     _require(p > 1 or v == 1, "an interleaved schedule needs --pipeline-model-parallel-size > 1")
     return v
 

@@ -71,7 +71,7 @@ def backward_units(m: int, k: int) -> List[Unit]:
 
 
 def warmup_count(p: int, rank: int, k: int, v: int, total: int, group: Optional[int] = None) -> int:
-    g = group or p
+    g = p if group is None else group
     if v == 1:
         w = p - rank - 2 + k  # Eq. 4
     else:  # Eq. 6, with the group size G and the first backward unit's group (module docstring)
@@ -80,7 +80,7 @@ def warmup_count(p: int, rank: int, k: int, v: int, total: int, group: Optional[
 
 
 def check(p: int, m: int, k: int, v: int, group: Optional[int] = None) -> None:
-    g = group or p
+    g = p if group is None else group
     if min(p, m, k, v) < 1:
         raise ScheduleError(f"pipeline size {p}, micro-batches {m}, splits {k}, chunks {v} must be >= 1")
     what = f"the pipeline size {p}" if group is None else f"{g} units"
@@ -107,7 +107,7 @@ def _interleaved_op(kind: str, index: int, g: int, v: int, order: List[Unit]) ->
 def rank_schedule(p: int, rank: int, m: int, k: int, v: int = 1, group: Optional[int] = None) -> RankSchedule:
     """`group`: units per interleaved group (default: the pipeline size)."""
     check(p, m, k, v, group)
-    fwd, bwd, g = forward_units(m, k), backward_units(m, k), group or p
+    fwd, bwd, g = forward_units(m, k), backward_units(m, k), p if group is None else group
     total = m * k * v
     w = warmup_count(p, rank, k, v, total, group)
 

@@ -190,6 +190,16 @@ def test_pipeline_splits_as_megatrons():
     with pytest.raises(ArgsError, match=r"--num-layers 7 \+ 2 counted is not divisible"):
         _chunk_layers(base + "--num-layers 7 --pipeline-model-parallel-size 2 "
                       "--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split", 2)
+    with pytest.raises(ArgsError, match=r"--num-layers 6 \+ 1 counted is not divisible by "
+                                        r"--pipeline-model-parallel-size 2 x --num-virtual-stages-per-pipeline-rank 2"):
+        _chunk_layers(base + "--num-layers 6 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
+                      "--account-for-loss-in-pipeline-split", 2)
+    with pytest.raises(ArgsError, match="groups of 0 units must be at least the pipeline size 2"):
+        _chunk_layers(base + "--num-layers 8 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
+                      "--microbatch-group-size-per-virtual-pipeline-stage 0", 2)
+    with pytest.raises(ArgsError, match="give one of"):
+        _chunk_layers(base + "--num-layers 8 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
+                      "--num-layers-per-virtual-pipeline-stage 2", 2)
     with pytest.raises(ArgsError, match="two ways to split: give one"):
         _chunk_layers(base + "--num-layers 8 --pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 3 "
                       "--account-for-loss-in-pipeline-split", 2)

@@ -8,7 +8,7 @@ import torch
 
 from megatron.training.rerun import (
     EXIT_FAILED_VALIDATION, EXIT_RESUME_ELSEWHERE, SPIKY_SAMPLES, Injector, Replay, RerunMachine, loss_checks,
-    relative_difference)
+    relative_difference, restore_states)
 
 HERE, ELSEWHERE = ("node-a", 0), ("node-b", 0)
 
@@ -158,3 +158,16 @@ def test_nothing_to_checkpoint_unless_a_rerun_elsewhere_is_pending():
     m = machine()
     clean(m, 2)
     assert m.state_dict() is None
+
+
+@pytest.mark.parametrize("mode", ["disabled", "report_stats"])
+def test_a_pending_rerun_is_ignored_by_runs_that_do_not_validate(mode):
+    """Only validate_results judges a repeated iteration; another mode trains on (a report_stats
+    run that took the state would end in exit 17 with no verdict)."""
+    first = machine()
+    clean(first)
+    iterate(first, 2, lambda r: [math.nan])
+    other = machine(mode, where=ELSEWHERE)
+    restore_states(other, [first.state_dict()], log=other.logs.append)
+    assert other.logs == [f"rerun: the checkpoint asks to rerun iteration 2 on 1 ranks; ignored (--rerun-mode {mode})"]
+    assert iterate(other, 2, lambda r: [2.0]) == (2 if mode == "report_stats" else 1, (False, 0))
