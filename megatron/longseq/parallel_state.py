@@ -10,6 +10,10 @@ ranks (LoongTrain section 4.3): "head-first" puts a head-parallel group on adjac
 node), "context-first" puts a ring there. The ring is cut into inner rings of W consecutive ring
 positions; the outer rings join the ranks at the same inner position (Double-Ring-Attention).
 
+With --num-distributed-optimizer-instances N the dp x cp group is cut into N instances of
+consecutive ranks (megatron-core's intra-partial data-parallel groups): the optimizer is sharded
+inside an instance, and the ranks holding the same shard in every instance form the inter groups.
+
 Megatron's --use-tp-pp-dp-mapping swaps the two outer axes (order "tp-cp-pp-dp": pipeline stages
 adjacent, data-parallel replicas outermost); megatron-core is initialised with the same order.
 Everything here except `build_process_groups` is pure arithmetic, tested without processes.
@@ -35,7 +39,7 @@ class GridError(ValueError):
 
 @dataclass(frozen=True)
 class RankGrid:
-    """world = tp x cp x dp x pp, cp = hp x ring, ring = inner x outer."""
+    """world = tp x cp x dp x pp, cp = hp x ring, ring = inner x outer; dp x cp = instances x shards."""
 
     world_size: int
     tp: int = 1
@@ -45,6 +49,7 @@ class RankGrid:
     inner_ring: Optional[int] = None
     placement: str = "head-first"
     order: str = "tp-cp-dp-pp"
+    instances: int = 1  # distributed-optimizer instances over dp x cp
 
     def __post_init__(self):
         self._check()
@@ -67,7 +72,7 @@ class RankGrid:
         return self.world_size // (self.tp * self.cp * self.pp)
 
     def _check(self):
-        for name in ("world_size", "tp", "pp", "cp", "hp"):
+        for name in ("world_size", "tp", "pp", "cp", "hp", "instances"):
             if getattr(self, name) < 1:
                 raise GridError(f"{name} must be >= 1, got {getattr(self, name)}")
         model = self.tp * self.cp * self.pp
@@ -80,6 +85,11 @@ class RankGrid:
             raise GridError(
                 f"context parallel size {self.cp} is not divisible by the head-parallel size "
                 f"{self.hp} (cp = head-parallel x ring)"
+            )
+        if (self.dp * self.cp) % self.instances:
+            raise GridError(
+                f"data parallel {self.dp} x context parallel {self.cp} is not divisible by the "
+                f"{self.instances} distributed-optimizer instances"
             )
         if self.inner_ring is not None and (self.inner_ring < 1 or self.ring % self.inner_ring):
             raise GridError(
@@ -158,10 +168,26 @@ class RankGrid:
             "outer": self.ring_groups("outer"),
             "dp": self.groups_along(("dp",)),
             "dp_cp": self._sorted(self.groups_along(("hp", "ring", "dp"))),
+            "dp_cp_intra": self.instance_groups("intra"),
+            "dp_cp_inter": self.instance_groups("inter"),
             "tp_cp": self._sorted(self.groups_along(("tp", "hp", "ring"))),
             "pp": self.groups_along(("pp",)),
             "mp": self._sorted(self.groups_along(("tp", "pp"))),
         }
+
+    def instance_groups(self, level: str) -> List[List[int]]:
+        """Distributed-optimizer instances: 'intra' = one instance, consecutive ranks of a dp x cp
+        group; 'inter' = the ranks at the same position of every instance (one shard's replicas)."""
+        out = []
+        for group in self._sorted(self.groups_along(("hp", "ring", "dp"))):
+            size = len(group) // self.instances
+            chunks = [group[i : i + size] for i in range(0, len(group), size)]
+            out.extend(chunks if level == "intra" else [list(g) for g in zip(*chunks)])
+        return out
+
+    def aliases(self) -> Dict[str, str]:
+        """Groups with the same members as another, sharing its handle (no second communicator)."""
+        return {"dp_cp_intra": "dp_cp"} if self.instances == 1 else {}
 
     @staticmethod
     def _sorted(groups: List[List[int]]) -> List[List[int]]:
@@ -172,6 +198,7 @@ class RankGrid:
         return (
             f"world {self.world_size} = tp {self.tp} x cp {self.cp} (hp {self.hp} x ring {self.ring}, "
             f"inner ring {self.inner}, {self.placement}) x dp {self.dp} x pp {self.pp}, order {self.order}"
+            + (f", {self.instances} distributed-optimizer instances" if self.instances > 1 else "")
         )
 
 
@@ -215,14 +242,18 @@ def build_process_groups(grid: RankGrid) -> ProcessGroups:
         context_parallel_size=grid.cp,
         order=ORDERS[grid.order],
         create_gloo_process_groups=False,
+        num_distributed_optimizer_instances=grid.instances,
     )
     pgs = ProcessGroups(grid=grid, rank=rank)
+    aliases = grid.aliases()
     for name, group_list in grid.all_groups().items():
-        for members in group_list:
+        for members in group_list if name not in aliases else ():
             # new_group is collective over the world even for groups this rank is not in.
             handle = dist.new_group(members)
             if rank in members:
                 pgs.groups[name], pgs.members[name] = handle, members
+    for name, same in aliases.items():
+        pgs.groups[name], pgs.members[name] = pgs.groups[same], pgs.members[same]
     _check_against_megatron(pgs, mpu)
     _build_pipeline_links(grid, pgs, rank)
     return pgs
@@ -263,7 +294,10 @@ def _check_against_megatron(pgs: ProcessGroups, mpu) -> None:
         "dp": mpu.get_data_parallel_group(),
         "dp_cp": mpu.get_data_parallel_group(with_context_parallel=True),
         "pp": mpu.get_pipeline_model_parallel_group(),
+        "dp_cp_intra": mpu.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True),
     }
+    if pgs.grid.instances > 1:
+        ours_vs_theirs["dp_cp_inter"] = mpu.get_inter_distributed_optimizer_instance_group()
     for name, theirs in ours_vs_theirs.items():
         their_ranks = sorted(dist.get_process_group_ranks(theirs))
         if sorted(pgs.members[name]) != their_ranks:

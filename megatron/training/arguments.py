@@ -32,7 +32,6 @@ UNSUPPORTED = {
     "--step-batch-size-schedule": "batch-size ramp-up is not implemented",
     "--eval-global-batch-size": "evaluation uses the training global batch size",
     "--save-retain-interval": "checkpoint retention is not implemented: every save is kept",
-    "--num-distributed-optimizer-instances": "one distributed-optimizer instance only",
     "--wgrad-deferral-limit": "weight-gradient deferral is not implemented",
     "--defer-embedding-wgrad-compute": "weight-gradient deferral is not implemented",
 }
@@ -157,6 +156,9 @@ def _parallel(p):
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
+                   help="with --use-distributed-optimizer: shard the optimizer inside N groups of consecutive "
+                        "data-parallel ranks, all-reducing each shard's gradients across the groups")
     g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
                    help="the embedding counts as one layer of the first (virtual) stage in the even split")
     g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",

@@ -114,7 +114,7 @@ def save_checkpoint(args, state, pgs) -> str:
         os.makedirs(rank_dir, exist_ok=True)
         atomic_torch_save(_main_file(args, state, sharded, rerun), os.path.join(rank_dir, "model_optim_rng.pt"))
     dist.barrier()
-    if sharded and not args.no_save_optim:
+    if sharded and not args.no_save_optim and pgs.index("dp_cp_inter") == 0:  # instances hold the same shards
         atomic_torch_save(state.optimizer.state_dict(), _shard_path(rank_dir, pgs))
     dist.barrier()
     publish(args.save, tmp, final, iteration)
@@ -141,8 +141,9 @@ def publish_tree(root: str, tmp: str, final: str, tracker: str) -> None:
 
 
 def _shard_path(rank_dir: str, pgs) -> str:
-    # One optimizer shard per data-parallel (x context-parallel) rank.
-    return os.path.join(rank_dir, f"distrib_optim_dp_{pgs.index('dp_cp'):03d}.pt")
+    # One optimizer shard per data-parallel (x context-parallel) rank of a distributed-optimizer
+    # instance: with one instance, per rank of dp x cp.
+    return os.path.join(rank_dir, f"distrib_optim_dp_{pgs.index('dp_cp_intra'):03d}.pt")
 
 
 def _main_file(args, state, sharded: bool, rerun: Optional[list]) -> dict:

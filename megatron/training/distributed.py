@@ -11,6 +11,10 @@ counterpart with the same contract:
 - buckets are reduced over the data-parallel group (dp x cp): all-reduce, or reduce-scatter when
   the optimizer is sharded (ZeRO-1, --use-distributed-optimizer), in which case each rank owns the
   same 1/dp slice of every bucket and the updated parameters are all-gathered back;
+- with --num-distributed-optimizer-instances N the sharded reduction is two-level, as megatron-
+  core's: reduce-scatter inside this rank's instance (`dp_group`, dp x cp / N ranks), then the
+  shard is all-reduced with the same shard of the other instances (`across`); the all-gather of
+  updated parameters stays inside the instance. One instance = `across` of size 1, no second step;
 - with --overlap-grad-reduce a bucket's reduction starts asynchronously as soon as the last
   micro-batch's backward has produced all its gradients;
 - with --overlap-param-gather the sharded optimizer's all-gather of updated parameters runs in
@@ -56,8 +60,9 @@ class GradBuffer:
 
     def __init__(self, params: List[torch.nn.Parameter], dp_group, shard: bool, overlap: bool,
                  bucket_elements: Optional[int] = None, average: bool = True, deferred=(),
-                 average_in_collective: bool = False):
+                 average_in_collective: bool = False, across=None):
         self.dp_group = dp_group
+        self.across = across if across is not None and dist.get_world_size(across) > 1 else None
         # Parameters whose gradients are completed elsewhere first (tied embeddings across pipeline
         # stages): their buckets are never launched early by the overlap hooks.
         self.deferred = list(deferred)
@@ -66,9 +71,10 @@ class GradBuffer:
         # such op, so there the sum is divided once it has arrived. Default: divide, then sum.
         self.average_in_collective = average and average_in_collective
         self.avg_op = self.average_in_collective and dist.get_backend(dp_group) == "nccl"
-        self.dp_size = dist.get_world_size(dp_group)
+        self.shards = dist.get_world_size(dp_group) if shard else 1
+        # every replica of the model: this group's ranks in every instance (gradients average over all)
+        self.dp_size = dist.get_world_size(dp_group) * (dist.get_world_size(across) if self.across else 1)
         self.dp_rank = dist.get_rank(dp_group)
-        self.shards = self.dp_size if shard else 1
         self.overlap = overlap
         self.sync_enabled = True
         device, dtype = params[0].device, params[0].dtype
@@ -154,9 +160,14 @@ class GradBuffer:
         return bucket.shard_range(self.dp_rank, self.shards) if self.shards > 1 else (bucket.start, bucket.end)
 
     def _complete(self, bucket: Bucket) -> None:
-        """After the reduction has arrived: the average gloo could not take inside it."""
+        """After the reduction inside the instance has arrived: the shard's reduction across the
+        instances (synchronous: it reads what the first one wrote, which a collective on another
+        group would not wait for), then the average gloo could not take inside them."""
+        lo, hi = self._reduced_range(bucket)
+        if self.across is not None:
+            op = dist.ReduceOp.AVG if self.avg_op else dist.ReduceOp.SUM
+            dist.all_reduce(self.grad_data[lo:hi], op=op, group=self.across)
         if self.average_in_collective and not self.avg_op:
-            lo, hi = self._reduced_range(bucket)
             self.grad_data[lo:hi].div_(self.dp_size)
 
     def finish_grad_sync(self) -> None:
@@ -214,13 +225,16 @@ class GradBuffer:
         bit or a bad link would otherwise drift silently). Megatron's weight-hash check."""
         self.wait_params()
         digest = hashlib.sha256(self.param_data.view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
-        digests = [None] * self.dp_size
-        dist.all_gather_object(digests, digest, group=self.dp_group)
-        if len(set(digests)) > 1:
-            ranks = dist.get_process_group_ranks(self.dp_group)
-            odd = [r for r, d in zip(ranks, digests) if d != digests[0]]
-            raise RuntimeError(f"iteration {iteration}: the weights of data-parallel replicas {odd} differ from "
-                               f"rank {ranks[0]}'s")
+        for group in (self.dp_group, self.across):  # equal inside every instance and across them
+            if group is None:
+                continue
+            digests = [None] * dist.get_world_size(group)
+            dist.all_gather_object(digests, digest, group=group)
+            if len(set(digests)) > 1:
+                ranks = dist.get_process_group_ranks(group)
+                odd = [r for r, d in zip(ranks, digests) if d != digests[0]]
+                raise RuntimeError(f"iteration {iteration}: the weights of data-parallel replicas {odd} differ "
+                                   f"from rank {ranks[0]}'s")
 
     def wait_params(self, buckets=None) -> None:
         """The parameters of `buckets` (all by default) are whole again."""

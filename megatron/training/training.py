@@ -142,9 +142,10 @@ def setup(args, pgs, model_provider):
     chunks = chunks if isinstance(chunks, list) else [chunks]
     params = [p for m in chunks for p in m.parameters() if p.requires_grad]
     tied = [p for p in params if getattr(p, "shared_embedding", False)] if pgs.size("pp") > 1 else []
-    buffer = GradBuffer(params, pgs.dp_cp, shard=args.use_distributed_optimizer, overlap=args.overlap_grad_reduce,
+    # One distributed-optimizer instance (the default): dp_cp_intra is dp_cp, dp_cp_inter is one rank.
+    buffer = GradBuffer(params, pgs.dp_cp_intra, shard=args.use_distributed_optimizer, overlap=args.overlap_grad_reduce,
                         bucket_elements=args.ddp_bucket_size, average=not args.calculate_per_token_loss,
-                        deferred=tied, average_in_collective=args.ddp_average_in_collective)
+                        deferred=tied, average_in_collective=args.ddp_average_in_collective, across=pgs.dp_cp_inter)
     if args.overlap_param_gather:
         buffer.wait_params_before_forward(chunks)
     named = [item for m in unwrap(chunks) for item in m.named_parameters()]

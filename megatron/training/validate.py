@@ -116,7 +116,8 @@ def _parallel_args(args, world_size):
     args.head_parallel_size, args.ring_size = _cp_split(args, cp)
     try:
         grid = RankGrid(world_size=world_size, tp=tp, pp=pp, cp=cp, hp=args.head_parallel_size,
-                        inner_ring=args.cp_inner_ring_size, placement=args.cp_placement)
+                        inner_ring=args.cp_inner_ring_size, placement=args.cp_placement,
+                        instances=args.num_distributed_optimizer_instances)
     except GridError as err:
         raise ArgsError(str(err)) from None
     args.world_size = world_size
@@ -210,6 +211,8 @@ def _overlap_args(args):
     if args.overlap_param_gather:
         _require(args.use_distributed_optimizer, "--overlap-param-gather needs --use-distributed-optimizer")
         _require(args.overlap_grad_reduce, "--overlap-param-gather needs --overlap-grad-reduce")
+    _require(args.num_distributed_optimizer_instances == 1 or args.use_distributed_optimizer,
+             "--num-distributed-optimizer-instances needs --use-distributed-optimizer (it shards that optimizer)")
 
 
 def _pipeline_args(args):

@@ -50,6 +50,8 @@ CASES = [
     Case("gpt_base_dp2_distopt_overlap", 2,
          "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 20000".split(),
          "gpt_base"),
+    Case("gpt_base_dp4_distopt_2_instances", 4, "--use-distributed-optimizer --num-distributed-optimizer-instances 2 "
+         "--overlap-grad-reduce --ddp-bucket-size 20000".split(), "gpt_base"),
     Case("gpt_base_dp2_per_token_loss", 2, ["--calculate-per-token-loss"], "gpt_base"),
     Case("gpt_base_recompute_full_uniform", 1,
          "--recompute-granularity full --recompute-method uniform --recompute-num-layers 2".split(), "gpt_base"),

@@ -88,6 +88,22 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(runs, tmp_path):
     assert {"learning-rate", "grad-norm", "iteration-time", "loss-scale"} <= set(events.Tags()["scalars"])
 
 
+def test_two_optimizer_instances_save_one_copy_and_resume_exactly(runs, tmp_path):
+    """--num-distributed-optimizer-instances 2 on 4 ranks, torch format: the first instance writes
+    the two optimizer shards (the second holds the same), and the run resumed from iteration 10
+    prints the uninterrupted run's losses."""
+    case = BY_NAME["gpt_base_dp4_distopt_2_instances"]
+    ckpt = str(tmp_path / "ckpt")
+    flags = ["--save", ckpt, "--ckpt-format", "torch", "--save-interval", "10"]
+    assert sorted(run_case(case, runs.workdir, flags + ["--exit-interval", "10"])) == list(range(1, 11))
+    assert sorted(os.listdir(os.path.join(ckpt, "iter_0000010", "mp_rank_00"))) == [
+        "distrib_optim_dp_000.pt", "distrib_optim_dp_001.pt", "model_optim_rng.pt"]
+    resumed = run_case(case, runs.workdir, flags + ["--load", ckpt, "--exit-interval", "15"])
+    assert sorted(resumed) == list(range(11, 16))
+    full = runs(case.name)
+    assert {s: full[s] for s in resumed} == resumed
+
+
 def test_recorded_pipeline_timeline_is_read_by_the_simulator(runs, tmp_path):
     from tools import pipeline_simulator
 
@@ -204,8 +220,9 @@ def test_async_save_killed_mid_write_resumes_from_the_previous_checkpoint(runs, 
 
 def test_torch_dist_checkpoint_resumes_in_other_layouts(tmp_path):
     """Saved at tp2 x pp2 (distributed optimizer, async), resumed at tp4 x pp1 (tensors cut finer,
-    stages merged) and at tp1 x pp2 with uneven stages, 1 + 3 layers (tensors merged, layers moved
-    across stages): every layout's losses are the single-rank run's within LAYOUT_RTOL (only the
+    stages merged), at tp1 x pp2 with uneven stages, 1 + 3 layers (tensors merged, layers moved
+    across stages) and at dp4 with two distributed-optimizer instances (the optimizer state cut
+    into two shards, each held twice): every layout's losses are the single-rank run's within LAYOUT_RTOL (only the
     order of fp32 reductions differs), before and after the change of layout."""
     ckpt = str(tmp_path / "ckpt")
 
@@ -217,7 +234,8 @@ def test_torch_dist_checkpoint_resumes_in_other_layouts(tmp_path):
                 f"--use-distributed-optimizer --async-save --save {ckpt} --save-interval 4 --exit-interval 4".split())
     assert sorted(first) == [1, 2, 3, 4]
     layouts = [("tp4", 4, "--tensor-model-parallel-size 4"),
-               ("pp2_uneven", 2, "--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 1")]
+               ("pp2_uneven", 2, "--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 1"),
+               ("dp4_2_instances", 4, "--use-distributed-optimizer --num-distributed-optimizer-instances 2")]
     for name, nproc, layout in layouts:
         resumed = run(f"reshard_{name}", nproc, f"--num-layers 4 {layout} --load {ckpt}".split())
         assert sorted(resumed) == [5, 6, 7, 8], name

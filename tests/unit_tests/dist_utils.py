@@ -65,7 +65,7 @@ def init_single_rank_world() -> None:
 _LAST = {}  # the one-rank world of this process: the grid built last, by its arguments
 
 
-def grid_groups(tp=1, pp=1, cp=1, hp=1, inner_ring=None, placement="head-first", order="tp-cp-dp-pp"):
+def grid_groups(tp=1, pp=1, cp=1, hp=1, inner_ring=None, placement="head-first", order="tp-cp-dp-pp", instances=1):
     """Every rank: build the grid of the current world and its groups.
 
     In the one-rank world that lives as long as pytest, the same grid is built once and handed
@@ -75,13 +75,13 @@ def grid_groups(tp=1, pp=1, cp=1, hp=1, inner_ring=None, placement="head-first",
     from megatron.core import parallel_state as mpu
     from megatron.longseq.parallel_state import RankGrid, build_process_groups
 
-    key = (dist.get_world_size(), tp, pp, cp, hp, inner_ring, placement, order)
+    key = (dist.get_world_size(), tp, pp, cp, hp, inner_ring, placement, order, instances)
     if dist.get_world_size() == 1 and _LAST.get("key") == key and mpu.model_parallel_is_initialized():
         return _LAST["groups"]
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
     grid = RankGrid(world_size=dist.get_world_size(), tp=tp, pp=pp, cp=cp, hp=hp,
-                    inner_ring=inner_ring, placement=placement, order=order)
+                    inner_ring=inner_ring, placement=placement, order=order, instances=instances)
     groups = build_process_groups(grid)
     _LAST.update(key=key, groups=groups)
     return groups

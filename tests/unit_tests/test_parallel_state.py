@@ -18,6 +18,7 @@ def _partitions(groups, world):
     dict(world_size=16, cp=8, hp=2, inner_ring=2, placement="context-first"),
     dict(world_size=24, tp=2, cp=4, hp=4, pp=3),
     dict(world_size=24, tp=2, cp=2, pp=3, order="tp-cp-pp-dp"),
+    dict(world_size=16, tp=2, cp=2, instances=2),
 ])
 def test_coordinates_round_trip_and_groups_partition_the_world(kw):
     grid = RankGrid(**kw)
@@ -30,7 +31,8 @@ def test_coordinates_round_trip_and_groups_partition_the_world(kw):
     assert len(seen) == grid.world_size
     sizes = {"tp": grid.tp, "cp": grid.cp, "hp": grid.hp, "ring": grid.ring, "inner": grid.inner,
              "outer": grid.outer, "dp": grid.dp, "dp_cp": grid.dp * grid.cp, "pp": grid.pp,
-             "mp": grid.tp * grid.pp, "tp_cp": grid.tp * grid.cp}
+             "mp": grid.tp * grid.pp, "tp_cp": grid.tp * grid.cp,
+             "dp_cp_intra": grid.dp * grid.cp // grid.instances, "dp_cp_inter": grid.instances}
     for name, groups in grid.all_groups().items():
         assert _partitions(groups, grid.world_size), name
         assert all(len(g) == sizes[name] for g in groups), name
@@ -70,6 +72,15 @@ def test_double_ring_inner_and_outer_rings():
     assert plain.outer == 1
 
 
+def test_distributed_optimizer_instances_are_consecutive_ranks_of_dp_x_cp():
+    grid = RankGrid(world_size=16, tp=2, cp=2, instances=2)  # dp x cp groups: [0, 2, 4, ..., 14], [1, 3, ...]
+    assert grid.instance_groups("intra") == [[0, 2, 4, 6], [8, 10, 12, 14], [1, 3, 5, 7], [9, 11, 13, 15]]
+    assert grid.instance_groups("inter")[:4] == [[0, 8], [2, 10], [4, 12], [6, 14]]
+    assert grid.aliases() == {}
+    one = RankGrid(world_size=4, tp=2)  # one instance: the whole dp x cp group, the same handle
+    assert one.instance_groups("intra") == one.all_groups()["dp_cp"] and one.aliases() == {"dp_cp_intra": "dp_cp"}
+
+
 @pytest.mark.parametrize("kw, message", [
     (dict(world_size=6, tp=4), "world size 6 is not divisible by tensor (4) x context (1) x pipeline (1)"),
     (dict(world_size=8, cp=4, hp=3), "context parallel size 4 is not divisible by the head-parallel size 3"),
@@ -77,6 +88,7 @@ def test_double_ring_inner_and_outer_rings():
     (dict(world_size=4, placement="sideways"), "placement must be one of"),
     (dict(world_size=4, order="pp-dp-tp-cp"), "order must be one of"),
     (dict(world_size=4, tp=0), "tp must be >= 1"),
+    (dict(world_size=8, tp=2, instances=3), "data parallel 4 x context parallel 1 is not divisible by the 3"),
 ])
 def test_bad_grids_name_the_numbers(kw, message):
     with pytest.raises(GridError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -94,6 +106,10 @@ def _check_groups_match_megatron():
     pgs = grid_groups(pp=2, order="tp-cp-pp-dp")
     assert pgs.members["pp"] == [rank - rank % 2, rank - rank % 2 + 1]
     assert pgs.members["dp"] == [rank % 2, rank % 2 + 2]
+    # two distributed-optimizer instances: megatron-core's intra- and inter-instance groups
+    pgs = grid_groups(cp=2, instances=2)
+    assert pgs.members["dp_cp_intra"] == [rank - rank % 2, rank - rank % 2 + 1]
+    assert pgs.members["dp_cp_inter"] == [rank % 2, rank % 2 + 2]
 
 
 def test_process_groups_agree_with_megatron_core_on_4_ranks():

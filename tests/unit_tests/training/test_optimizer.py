@@ -27,7 +27,7 @@ class Tiny(torch.nn.Module):
 
 
 def batches(step):
-    """4 micro-batches of the global batch of `step`; rank r gets micro-batches 2r, 2r+1."""
+    """4 micro-batches of the global batch of `step`; rank r of 2 gets micro-batches 2r, 2r+1."""
     g = torch.Generator().manual_seed(100 + step)
     return [(torch.randn(3, 8, generator=g), torch.randn(3, 4, generator=g)) for _ in range(4)]
 
@@ -51,14 +51,15 @@ def reference_training(steps):
 
 def ddp_training(model, buffer, opt, steps, start=0):
     rank, dtype = dist.get_rank(), next(model.parameters()).dtype
+    n = 4 // dist.get_world_size()  # micro-batches per rank
     norms, zeros = [], []
     for step in range(start, start + steps):
         opt.zero_grad()
-        mine = batches(step)[2 * rank : 2 * rank + 2]
+        mine = batches(step)[n * rank : n * rank + n]
         for i, (x, y) in enumerate(mine):
-            ctx = buffer.no_sync() if i == 0 else torch.enable_grad()
+            ctx = buffer.no_sync() if i < n - 1 else torch.enable_grad()
             with ctx:
-                (torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y) / 2).backward()
+                (torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y) / n).backward()
         buffer.finish_grad_sync()
         _, norm, num_zeros = opt.step(count_zeros=True)
         norms.append(norm)
@@ -66,21 +67,23 @@ def ddp_training(model, buffer, opt, steps, start=0):
     return norms, zeros
 
 
-def _build(shard, overlap, bucket, dtype=torch.float32, gather=False, avg=False):
-    pgs = grid_groups()
+def _build(shard, overlap, bucket, dtype=torch.float32, gather=False, avg=False, instances=1):
+    pgs = grid_groups(instances=instances)
     torch.manual_seed(0)
     model = Tiny().to(dtype)
-    buffer = GradBuffer(list(model.parameters()), pgs.dp, shard=shard, overlap=overlap, bucket_elements=bucket,
-                        average_in_collective=avg)
+    # the groups training.setup passes: one instance's dp ranks, and the same shard in the others
+    buffer = GradBuffer(list(model.parameters()), pgs.dp_cp_intra, shard=shard, overlap=overlap,
+                        bucket_elements=bucket, average_in_collective=avg, across=pgs.dp_cp_inter)
     if gather:
         buffer.wait_params_before_forward([model])
     args = SimpleNamespace(**{**vars(OPT_ARGS), "overlap_param_gather": gather})
     return pgs, model, buffer, DistributedAdam(model.named_parameters(), buffer, pgs, args)
 
 
-def _check_against_reference(shard, overlap, bucket, gather=False, avg=False):
-    pgs, model, buffer, opt = _build(shard, overlap, bucket, gather=gather, avg=avg)
-    assert buffer.shards == (2 if shard else 1)
+def _check_against_reference(shard, overlap, bucket, gather=False, avg=False, instances=1):
+    pgs, model, buffer, opt = _build(shard, overlap, bucket, gather=gather, avg=avg, instances=instances)
+    assert buffer.shards == (dist.get_world_size() // instances if shard else 1)
+    assert buffer.dp_size == dist.get_world_size()
     assert len(buffer.buckets) == (1 if bucket > 1000 else len(buffer.buckets)) and len(buffer.buckets) >= 1
     norms, zeros = ddp_training(model, buffer, opt, steps=4)
     if gather:  # the last step's gathers are still in flight: nothing has run a forward since
@@ -96,6 +99,7 @@ def _check_against_reference(shard, overlap, bucket, gather=False, avg=False):
     for got, want in zip(norms, ref_norms):
         assert abs(got - want) <= 1e-6 * want
     assert all(z >= 3 for z in zeros)  # the unused parameter's 3 zero gradients
+    buffer.check_replicas(iteration=4)  # every replica, in every instance, holds the same weights
 
 
 @pytest.mark.parametrize("shard, overlap, bucket, gather, avg", [
@@ -108,6 +112,13 @@ def test_two_ranks_match_full_batch_adamw(shard, overlap, bucket, gather, avg):
     of its own buckets: the same parameters as gathering at once. With
     --ddp-average-in-collective the mean is taken after the sum (gloo has no AVG op)."""
     run_ranks(_check_against_reference, 2, shard, overlap, bucket, gather, avg)
+
+
+@pytest.mark.parametrize("avg", [False, True], ids=["divide-first", "average-in-collective"])
+def test_two_distributed_optimizer_instances_match_full_batch_adamw(avg):
+    """--num-distributed-optimizer-instances 2 on 4 ranks: reduce-scatter inside each pair, the
+    shards all-reduced across the pairs, parameters gathered inside the pair; overlapped buckets."""
+    run_ranks(_check_against_reference, 4, True, True, 50, True, avg, 2)
 
 
 def _check_checkpoint_round_trip(shard, dtype):
