@@ -3,7 +3,7 @@ format shares (tracker, directory names, argument checks, publishing a finished 
 
   <dir>/latest_checkpointed_iteration.txt          the tracker, written last
   <dir>/iter_0000010/mp_rank_00[_001]/model_optim_rng.pt   one file per (tp[, pp]) rank
-  <dir>/iter_0000010/mp_rank_00/distrib_optim_dp_000.pt   optimizer shards (--use-distributed-optimizer)
+  <dir>/iter_0000010/mp_rank_00[_001]/distrib_optim.pt     the distributed optimizer's state, gathered
 
 A save writes into iter_XXXXXXX.tmp, fsyncs every file, renames the directory into place, and only
 then replaces the tracker (write + fsync + rename). A crash at any moment leaves the previous
@@ -15,8 +15,11 @@ every RNG stream, the iteration and the data position (consumed train and valid 
 Megatron-LM's own torch-format checkpoints are read too: its `args` is an argparse Namespace (the
 consumed samples inside), its RNG state a list of per-replica dicts with its own key names, and a
 tracker saying `release` names a released model (<dir>/release, trained from iteration 0 with a
-fresh optimizer, as Megatron does). Its optimizer state is laid out by Megatron's own parameter
-groups and buffers and is not read: such a checkpoint resumes with --no-load-optim.
+fresh optimizer, as Megatron does). The distributed optimizer's state is in Megatron's layout both
+ways (megatron_optim.py): distrib_optim.pt holds each model chunk's buffer gathered whole, so it
+also loads under another data-parallel size. Megatron's non-distributed optimizer state (torch's
+own, indexed by Megatron's parameter groups) is not read: such a checkpoint resumes with
+--no-load-optim.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import torch.distributed as dist
 
 from megatron.longseq.random import load_rng_state_dict, rng_state_dict
 from megatron.training.rerun import gathered_states, restore_states
+from megatron.training.megatron_optim import from_megatron, megatron_param_groups, megatron_steps, to_megatron
 from megatron.training.metrics import print_rank_0
 from megatron.training.model import unwrap
 
@@ -48,6 +52,7 @@ DESCRIBED = ("add_qkv_bias", "true_vocab_size", "norm_epsilon", "rotary_base", "
 # The layout: fixed for a torch-format checkpoint, free for a torch_dist one.
 LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
 FORMAT_FILE = "metadata.json"  # written last into a torch_dist checkpoint by megatron-core
+DISTRIB_OPTIM = "distrib_optim.pt"
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -108,14 +113,17 @@ def save_checkpoint(args, state, pgs) -> str:
         os.makedirs(tmp)
     dist.barrier()
     rank_dir = os.path.join(tmp, rank_dir_name(pgs))
-    sharded = state.optimizer.buffer.shards > 1
-    rerun = gathered_states(state.rerun)  # collective: before the writers go their own way
+    distributed = args.use_distributed_optimizer and not args.no_save_optim
+    # collective: every rank's shards, whole on every rank; then the writers go their own way
+    flats = state.optimizer.model_space_state() if distributed else None
+    rerun = gathered_states(state.rerun)
     if pgs.index("dp_cp") == 0:  # the model is replicated over dp x cp: one writer per (tp, pp)
         os.makedirs(rank_dir, exist_ok=True)
-        atomic_torch_save(_main_file(args, state, sharded, rerun), os.path.join(rank_dir, "model_optim_rng.pt"))
-    dist.barrier()
-    if sharded and not args.no_save_optim and pgs.index("dp_cp_inter") == 0:  # instances hold the same shards
-        atomic_torch_save(state.optimizer.state_dict(), _shard_path(rank_dir, pgs))
+        atomic_torch_save(_main_file(args, state, rerun), os.path.join(rank_dir, "model_optim_rng.pt"))
+        if distributed:
+            atomic_torch_save(to_megatron(flats, state.optimizer.buffer.offsets, unwrap(state.model), args,
+                                          pgs.index("pp"), pgs.size("dp_cp_intra")),
+                              os.path.join(rank_dir, DISTRIB_OPTIM))
     dist.barrier()
     publish(args.save, tmp, final, iteration)
     return final
@@ -140,13 +148,7 @@ def publish_tree(root: str, tmp: str, final: str, tracker: str) -> None:
     _atomic_write_text(os.path.join(root, TRACKER), tracker)
 
 
-def _shard_path(rank_dir: str, pgs) -> str:
-    # One optimizer shard per data-parallel (x context-parallel) rank of a distributed-optimizer
-    # instance: with one instance, per rank of dp x cp.
-    return os.path.join(rank_dir, f"distrib_optim_dp_{pgs.index('dp_cp_intra'):03d}.pt")
-
-
-def _main_file(args, state, sharded: bool, rerun: Optional[list]) -> dict:
+def _main_file(args, state, rerun: Optional[list]) -> dict:
     obj = {
         "checkpoint_version": CHECKPOINT_VERSION,
         "args": saved_args(args),
@@ -157,13 +159,23 @@ def _main_file(args, state, sharded: bool, rerun: Optional[list]) -> dict:
         "consumed_valid_samples": state.consumed_valid_samples,
         "num_floating_point_operations_so_far": state.flops_so_far,
     }
-    if not args.no_save_optim and not sharded:
-        obj["optimizer"] = state.optimizer.state_dict()
+    if not args.no_save_optim:
+        obj["optimizer"] = _megatron_optimizer(args, state.optimizer) if args.use_distributed_optimizer \
+            else state.optimizer.state_dict()
     if not args.no_save_rng:
         obj["rng_state"] = rng_state_dict()
     if rerun is not None:
         obj["rerun_state_machine"] = rerun
     return obj
+
+
+def _megatron_optimizer(args, optimizer) -> dict:
+    """model_optim_rng.pt's "optimizer" beside distrib_optim.pt, as Megatron's DistributedOptimizer
+    writes it: the param groups without params, Adam's step in each; the fp16 loss scaler."""
+    out = {"optimizer": {"param_groups": megatron_param_groups(optimizer.param_groups, args, optimizer.adam_steps())}}
+    if optimizer.scaler is not None:  # Megatron's scale is a one-element fp32 tensor
+        out["grad_scaler"] = {**optimizer.scaler.state_dict(), "scale": torch.tensor([optimizer.scaler.scale])}
+    return out
 
 
 RELEASE = "release"
@@ -231,21 +243,32 @@ def load_checkpoint(args, state, pgs) -> bool:
     state.optimizer.reload_model_params()
     if os.path.basename(path) == RELEASE or args.finetune:
         return True
-    if megatron and not args.no_load_optim:
-        raise ValueError(f"{rank_dir} is Megatron-LM's: its optimizer state is laid out by Megatron's parameter "
-                         f"groups and buffers, which this trainer does not read; load with --no-load-optim")
     if not args.no_load_optim:
-        _load_optimizer(state, obj, rank_dir, pgs)
+        _load_optimizer(args, state, obj, rank_dir, pgs)
     _load_progress(args, state, obj, pgs, megatron)
     return True
 
 
-def _load_optimizer(state, obj: dict, rank_dir: str, pgs) -> None:
-    sharded = state.optimizer.buffer.shards > 1
-    opt = torch.load(_shard_path(rank_dir, pgs), map_location="cpu", weights_only=False) if sharded else obj.get("optimizer")
-    if opt is None:
+def _load_optimizer(args, state, obj: dict, rank_dir: str, pgs) -> None:
+    saved, path = obj.get("optimizer"), os.path.join(rank_dir, DISTRIB_OPTIM)
+    if saved is None:
         raise ValueError(f"{rank_dir} holds no optimizer state; load with --no-load-optim")
-    state.optimizer.load_state_dict(opt)
+    if args.use_distributed_optimizer != os.path.isfile(path):
+        said = "with" if os.path.isfile(path) else "without"
+        raise ValueError(f"{rank_dir} was saved {said} --use-distributed-optimizer, this run differs: its optimizer "
+                         f"state does not carry over; load with --no-load-optim")
+    if not args.use_distributed_optimizer:
+        if "layout" not in saved:
+            raise ValueError(f"{rank_dir} is Megatron-LM's non-distributed optimizer state (torch's own, indexed "
+                             f"by Megatron's parameter groups), which is not read; load with --no-load-optim")
+        state.optimizer.load_state_dict(saved)
+        return
+    world = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    flats = from_megatron(world, state.optimizer.buffer, unwrap(state.model), args, pgs.index("pp"),
+                          pgs.size("dp_cp_intra"))
+    state.optimizer.load_model_space_state(flats, megatron_steps(saved))
+    if state.optimizer.scaler is not None and "grad_scaler" in saved:
+        state.optimizer.scaler.load_state_dict(saved["grad_scaler"])
 
 
 def _load_progress(args, state, obj: dict, pgs, megatron: bool) -> None:

@@ -219,9 +219,9 @@ class DistributedAdam:
     def load_state_dict(self, state: dict) -> None:
         if state["layout"] != self.layout():
             raise ValueError(
-                f"optimizer checkpoint layout {state['layout']['shards']} shard(s) does not match this "
-                f"run's {self.buffer.shards}; a distributed-optimizer checkpoint resumes on the same "
-                f"data-parallel size (or load with --no-load-optim)"
+                f"optimizer checkpoint layout ({state['layout']['shards']} shard(s), buckets "
+                f"{state['layout']['ranges']}) does not match this run's ({self.buffer.shards}, "
+                f"{self.buffer.owned_ranges()}): other --ddp-bucket-size settings? (or load with --no-load-optim)"
             )
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None and "grad_scaler" in state:

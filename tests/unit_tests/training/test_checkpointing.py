@@ -150,14 +150,15 @@ def write_megatron_checkpoint(root, directory, state, args, tracker):
 
 
 def test_megatron_torch_checkpoint_loads(tmp_path):
-    """Weights, iteration, data position, FLOPs and RNG from Megatron's own layout; its optimizer
-    state is refused in one line (--no-load-optim takes the rest); a release starts at 0."""
+    """Weights, iteration, data position, FLOPs and RNG from Megatron's own layout; its
+    non-distributed optimizer state is refused in one line (--no-load-optim takes the rest); a
+    release starts at 0."""
     args, pgs, state = make_state(tmp_path, "--ckpt-format torch")
     train_one_step(state, args)
     write_megatron_checkpoint(tmp_path, "iter_0000003", state, args, "3")
     after_rng = torch.rand(2)
     _, _, fresh = make_state(tmp_path, "--ckpt-format torch")
-    with pytest.raises(ValueError, match="is Megatron-LM's: its optimizer state .* load with --no-load-optim"):
+    with pytest.raises(ValueError, match="is Megatron-LM's non-distributed optimizer state .* load with --no-load-optim"):
         load_checkpoint(args, fresh, pgs)
     args2, _, fresh = make_state(tmp_path, "--ckpt-format torch --no-load-optim")
     assert load_checkpoint(args2, fresh, pgs)
@@ -202,3 +203,118 @@ def test_a_contradicting_model_is_one_line_before_anything_is_built(tmp_path, fm
         os.rename(os.path.join(path, "mp_rank_00"), os.path.join(path, "mp_rank_01"))
         with pytest.raises(ArgsError, match="has no mp_rank_00/model_optim_rng.pt: a torch-format checkpoint loads"):
             check_load(args, pgs)
+
+
+# ---- the distributed optimizer in Megatron's layout (distrib_optim.pt) --------------------------
+def megatron_core_coalesced(params, bucket_size):
+    """Each parameter's range in Megatron's coalesced tensors, from megatron-core's own
+    _ParamAndGradBuffer (built on the host: its storage asks torch.cuda for a device)."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer
+
+    pgs = grid_groups()
+    config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True)
+    # stand-ins: megatron-core's buffer moves its parameters' storage into its own
+    copies = [torch.nn.Parameter(torch.empty_like(p)) for p in params]
+    for copy, p in zip(copies, params):
+        copy.shared_embedding = getattr(p, "shared_embedding", False)
+    stand_ins = dict(zip(copies, params))
+    with mock.patch("torch.cuda.current_device", lambda: "cpu"):
+        buffer = _ParamAndGradBuffer(config, params[0].dtype, torch.float32, copies, pgs.dp_cp, bucket_size,
+                                     {p: str(i) for i, p in enumerate(copies)}, 1.0, list(range(len(copies))),
+                                     False, pg_collection=SimpleNamespace(tp=pgs.tp, dp_cp=pgs.dp_cp))
+    before = [sum(b.numel_unpadded for b in buffer.buckets[:i]) for i in range(len(buffer.buckets))]
+    ranges = {}
+    for copy, (start, end, b) in buffer.param_index_map.items():
+        shift = before[b] - buffer.bucket_indices[b][0]  # bucket-end padding of earlier buckets removed
+        ranges[stand_ins[copy]] = (start + shift, end + shift)
+    return ranges, buffer.numel_unpadded
+
+
+@pytest.mark.parametrize("bucket_size", [None, 400, 1])
+@pytest.mark.parametrize("shared", [False, True], ids=["plain", "shared-embedding"])
+def test_coalesced_layout_is_megatron_cores_buffer(bucket_size, shared):
+    """Alignment of every parameter start to 64, bucket closing, the shared embedding's own
+    bucket: the same ranges as megatron-core's buffer."""
+    from megatron.training.megatron_optim import coalesced_ranges
+
+    init_single_rank_world()
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (100, 7, 300, 65, 1, 500, 64)]
+    params[0].shared_embedding = shared
+    assert coalesced_ranges(params, bucket_size) == megatron_core_coalesced(params, bucket_size)
+
+
+def write_megatron_distrib_optim(rank_dir, state, steps):
+    """distrib_optim.pt and the optimizer entry as Megatron's DistributedOptimizer saves them, laid
+    out by megatron-core's buffer (one bucket: Megatron without --overlap-grad-reduce)."""
+    params = [p for p in state.model[0].parameters() if p.requires_grad]
+    ranges, numel = megatron_core_coalesced(params, None)
+    flats, offsets = state.optimizer.model_space_state(), state.optimizer.buffer.offsets
+    world = {key: torch.zeros(numel) for key in ("param", "exp_avg", "exp_avg_sq")}
+    for p in params:
+        for key, ours in (("param", "fp32_param"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
+            world[key][slice(*ranges[p])] = flats[ours][offsets[p] : offsets[p] + p.numel()]
+    torch.save({"buckets_coalesced": True, 0: {(torch.bfloat16, torch.float32): {**world, "numel_unpadded": numel}}},
+               os.path.join(rank_dir, "distrib_optim.pt"))
+    groups = [{"wd_mult": w, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False, "step": steps}
+              for w in (1.0, 0.0)]
+    return {"optimizer": {"param_groups": groups}}
+
+
+def test_megatrons_distributed_optimizer_checkpoint_resumes_exactly(tmp_path):
+    """A torch-format checkpoint with Megatron's distrib_optim.pt (laid out by megatron-core's
+    buffer): the resumed step equals the uninterrupted one bit for bit (fp32 main params and Adam
+    moments carried, bias correction from the groups' step)."""
+    flags = "--ckpt-format torch --use-distributed-optimizer"
+    args, pgs, state = make_state(tmp_path, flags)
+    for _ in range(2):
+        train_one_step(state, args)
+    write_megatron_checkpoint(tmp_path, "iter_0000003", state, args, "3")
+    rank_dir = tmp_path / "iter_0000003" / "mp_rank_00"
+    saved = torch.load(rank_dir / "model_optim_rng.pt", weights_only=False)
+    saved["optimizer"] = write_megatron_distrib_optim(rank_dir, state, steps=2)
+    torch.save(saved, rank_dir / "model_optim_rng.pt")
+    train_one_step(state, args)
+
+    _, _, fresh = make_state(tmp_path, flags)
+    assert load_checkpoint(args, fresh, pgs) and fresh.optimizer.adam_steps() == 2
+    train_one_step(fresh, args)
+    assert torch.equal(fresh.optimizer.main_data, state.optimizer.main_data)
+    assert torch.equal(fresh.optimizer.buffer.param_data, state.optimizer.buffer.param_data)
+
+
+def test_our_distributed_optimizer_checkpoint_has_megatrons_layout(tmp_path):
+    """What Megatron's loader reads: distrib_optim.pt coalesced per chunk under (param dtype, grad
+    dtype) with megatron-core's element count; param groups told apart by its identifier keys, in
+    its order, each with Adam's step. Resuming from it is exact, and a run without the
+    distributed optimizer is refused in one line."""
+    from megatron.core.optimizer.optimizer import param_group_identifier_keys
+
+    args, pgs, state = make_state(tmp_path, "--ckpt-format torch --use-distributed-optimizer")
+    for _ in range(2):
+        train_one_step(state, args)
+    save_checkpoint(args, state, pgs)
+    rank_dir = tmp_path / "iter_0000002" / "mp_rank_00"
+    assert sorted(os.listdir(rank_dir)) == ["distrib_optim.pt", "model_optim_rng.pt"]
+    world = torch.load(rank_dir / "distrib_optim.pt", weights_only=False)
+    params = [p for p in state.model[0].parameters() if p.requires_grad]
+    _, numel = megatron_core_coalesced(params, None)
+    assert world["buckets_coalesced"] is True and list(world[0]) == [(torch.bfloat16, torch.float32)]
+    entry = world[0][(torch.bfloat16, torch.float32)]
+    assert entry["numel_unpadded"] == numel and {k: v.shape for k, v in entry.items() if k != "numel_unpadded"} == {
+        "param": (numel,), "exp_avg": (numel,), "exp_avg_sq": (numel,)}
+    groups = torch.load(rank_dir / "model_optim_rng.pt", weights_only=False)["optimizer"]["optimizer"]["param_groups"]
+    assert [g["wd_mult"] for g in groups] == [1.0, 0.0]  # Megatron's order: the default group first
+    assert all(set(param_group_identifier_keys) <= set(g) and g["step"] == 2 and "params" not in g for g in groups)
+
+    train_one_step(state, args)
+    _, _, fresh = make_state(tmp_path, "--ckpt-format torch --use-distributed-optimizer")
+    load_checkpoint(args, fresh, pgs)
+    train_one_step(fresh, args)
+    assert torch.equal(fresh.optimizer.main_data, state.optimizer.main_data)
+    plain_args, _, plain = make_state(tmp_path, "--ckpt-format torch")
+    with pytest.raises(ValueError, match="was saved with --use-distributed-optimizer, this run differs"):
+        load_checkpoint(plain_args, plain, pgs)

@@ -1,0 +1,140 @@
+"""The distributed optimizer's state in Megatron-LM's torch-format layout, both ways.
+
+Megatron's torch format keeps the sharded optimizer in two places (facts from megatron-core 0.16's
+DistributedOptimizer and Megatron-LM's checkpointing.py):
+- `distrib_optim.pt` beside `model_optim_rng.pt`, written by data-parallel rank 0 of each (tp, pp):
+  `{"buckets_coalesced": True, i: {(param dtype, grad dtype): {"param", "exp_avg", "exp_avg_sq":
+  fp32 [n], "numel_unpadded": n}}}`, one entry i per model chunk. The tensors are the chunk's
+  gradient buffer gathered whole, with the padding at bucket ends removed.
+- `model_optim_rng.pt["optimizer"]`: `{"optimizer": {"param_groups": [...]}}` (plus
+  "grad_scaler" with fp16), the torch param groups without their params. Adam's step count is
+  each group's "step"; groups are told apart by ('wd_mult', 'lr_mult', 'is_expert_parallel',
+  'is_decoupled_lr').
+
+Megatron's buffer layout: a chunk's parameters in reverse registration order; with the
+distributed optimizer each starts at a multiple of 64 elements of its bucket (the bucket before a
+shared embedding, which gets a bucket of its own, keeps that padding); a bucket closes once it
+holds `bucket_size` elements. The
+bucket size is None (one bucket) without --overlap-grad-reduce, on every pipeline stage but the
+first and for every virtual chunk but the first; else --ddp-bucket-size or max(4e7, 1e6 x dp).
+
+This trainer's own buffer is laid out differently (no alignment, its own buckets): the state goes
+through model space (per parameter) between the two.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+# Megatron's names of the per-parameter state, and ours (DistributedAdam.model_space_state).
+STATES = {"param": "fp32_param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+PARAM_ALIGN = 64  # elements: 128-byte aligned starts for >= 16-bit parameters
+
+
+def _pad(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def bucket_size(args, chunk: int, pp_rank: int, dp_size: int) -> Optional[int]:
+    """The bucket size Megatron's DistributedDataParallel uses for this chunk (None: one bucket)."""
+    if not args.overlap_grad_reduce or chunk > 0 or pp_rank > 0:
+        return None
+    return args.ddp_bucket_size or max(40_000_000, 1_000_000 * dp_size)
+
+
+def coalesced_ranges(params: List[torch.nn.Parameter], size: Optional[int]) -> Tuple[Dict, int]:
+    """Each parameter's [start, end) in Megatron's coalesced tensors (bucket-end padding removed),
+    and their length, for a distributed-optimizer buffer holding `params` (registration order)."""
+    ranges, done, pos = {}, 0, 0  # done: elements of closed buckets; pos: offset in the open one
+    for p in reversed(params):
+        shared = getattr(p, "shared_embedding", False)
+        pos = _pad(pos, PARAM_ALIGN)
+        if shared and pos:  # the shared embedding is alone in a bucket: close the open one, padding included
+            done, pos = done + pos, 0
+        ranges[p] = (done + pos, done + pos + p.numel())
+        pos += p.numel()
+        if shared or (size is not None and pos >= size):
+            done, pos = done + pos, 0
+    return ranges, done + pos
+
+
+def buffer_key(args, dtype: torch.dtype) -> Tuple[torch.dtype, torch.dtype]:
+    """(param dtype, grad dtype): Megatron accumulates in fp32 with --bf16 (it forces
+    --accumulate-allreduce-grads-in-fp32) and with that flag; else in the parameters' dtype."""
+    fp32_grads = dtype == torch.bfloat16 or getattr(args, "accumulate_allreduce_grads_in_fp32", False)
+    return dtype, torch.float32 if fp32_grads else dtype
+
+
+def _chunk_ranges(chunks, args, pp_rank: int, dp_size: int):
+    for i, chunk in enumerate(chunks):
+        params = [p for p in chunk.parameters() if p.requires_grad]
+        yield i, params, coalesced_ranges(params, bucket_size(args, i, pp_rank, dp_size))
+
+
+def to_megatron(flats: Dict[str, torch.Tensor], offsets: Dict, chunks, args, pp_rank: int, dp_size: int) -> dict:
+    """distrib_optim.pt from this trainer's model-space flats (laid out like its buffer)."""
+    out = {"buckets_coalesced": True}
+    for i, params, (ranges, numel) in _chunk_ranges(chunks, args, pp_rank, dp_size):
+        world = {name: torch.zeros(numel, dtype=torch.float32) for name in STATES}
+        for p in params:
+            lo, hi = ranges[p]
+            for name, ours in STATES.items():
+                world[name][lo:hi] = flats[ours][offsets[p] : offsets[p] + p.numel()].cpu()
+        world["numel_unpadded"] = numel
+        out[i] = {buffer_key(args, params[0].dtype): world}
+    return out
+
+
+def from_megatron(saved: dict, buffer, chunks, args, pp_rank: int, dp_size: int) -> dict:
+    """Model-space flats (laid out like this trainer's `buffer`, on its device) from distrib_optim.pt."""
+    offsets, numel, device = buffer.offsets, buffer.param_data.numel(), buffer.param_data.device
+    if not saved.get("buckets_coalesced"):
+        raise ValueError("distrib_optim.pt predates Megatron's coalesced layout (2024-02); "
+                         "load with --no-load-optim")
+    flats = {ours: torch.zeros(numel, dtype=torch.float32, device=device) for ours in STATES.values()}
+    for i, params, (ranges, expected) in _chunk_ranges(chunks, args, pp_rank, dp_size):
+        (world,) = saved[i].values()  # one buffer per chunk (one dtype)
+        if world["numel_unpadded"] != expected:
+            raise ValueError(f"distrib_optim.pt chunk {i} holds {world['numel_unpadded']} elements, this model's "
+                             f"buffer {expected}: another model, or other --ddp-bucket-size / "
+                             f"--overlap-grad-reduce settings than the run that saved it")
+        for p in params:
+            lo, hi = ranges[p]
+            for name, ours in STATES.items():
+                flats[ours][offsets[p] : offsets[p] + p.numel()] = world[name][lo:hi]
+    return flats
+
+
+# ---- param groups (model_optim_rng.pt["optimizer"]) -------------------------------------------
+def _override(group: dict, args) -> tuple:
+    """Megatron's group key: the sorted overrides of its default config (None for none);
+    --decoupled-min-lr overrides min_lr only when given."""
+    override = {}
+    if "max_lr" in group:
+        override["max_lr"] = group["max_lr"]
+        if args.decoupled_min_lr is not None:
+            override["min_lr"] = group["min_lr"]
+    if group["wd_mult"] == 0.0:
+        override["wd_mult"] = 0.0
+    return tuple(sorted(override.items())) or None
+
+
+def megatron_param_groups(groups: List[dict], args, steps: int) -> List[dict]:
+    """Our torch param groups as Megatron's, in its order (default first, then the overrides
+    sorted), without their params and with Adam's step count."""
+    out = []
+    for g in sorted(groups, key=lambda g: (_override(g, args) is not None, _override(g, args) or ())):
+        plain = {k: v for k, v in g.items() if k != "params"}
+        out.append({**plain, "wd_mult": g["wd_mult"], "lr_mult": 1.0, "is_expert_parallel": False,
+                    "is_decoupled_lr": False, "max_lr": g.get("max_lr", args.lr), "min_lr": g.get("min_lr", args.min_lr),
+                    "default_config": "max_lr" not in g, "step": steps})
+    return out
+
+
+def megatron_steps(saved_optimizer: dict) -> int:
+    """Adam's step count from Megatron's param groups (one value across groups)."""
+    steps = {int(g.get("step", 0)) for g in saved_optimizer["optimizer"]["param_groups"]}
+    if len(steps) != 1:
+        raise ValueError(f"the checkpoint's param groups disagree on Adam's step count: {sorted(steps)}")
+    return steps.pop()
