@@ -89,18 +89,24 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(runs, tmp_path):
 
 
 def test_two_optimizer_instances_save_one_copy_and_resume_exactly(runs, tmp_path):
-    """--num-distributed-optimizer-instances 2 on 4 ranks, torch format: the first instance writes
-    the two optimizer shards (the second holds the same), and the run resumed from iteration 10
-    prints the uninterrupted run's losses."""
+    """--num-distributed-optimizer-instances 2 on 4 ranks, torch format: one distrib_optim.pt in
+    Megatron's layout (the optimizer state gathered whole), the run resumed from iteration 10
+    prints the uninterrupted run's losses, and the same checkpoint resumes on 2 ranks with one
+    instance (another data-parallel size: the single-rank curve within LAYOUT_RTOL)."""
     case = BY_NAME["gpt_base_dp4_distopt_2_instances"]
     ckpt = str(tmp_path / "ckpt")
     flags = ["--save", ckpt, "--ckpt-format", "torch", "--save-interval", "10"]
     assert sorted(run_case(case, runs.workdir, flags + ["--exit-interval", "10"])) == list(range(1, 11))
     assert sorted(os.listdir(os.path.join(ckpt, "iter_0000010", "mp_rank_00"))) == [
         "distrib_optim.pt", "model_optim_rng.pt"]
+    dp2 = Case("dp2_from_dp4_instances", 2, "--use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 20000 "
+               "--ckpt-format torch".split())
+    on_dp2 = run_case(dp2, runs.workdir, ["--load", ckpt, "--exit-interval", "15"])  # saves nothing
+    assert sorted(on_dp2) == list(range(11, 16))
+    full = runs(case.name)
+    assert_curves_close({**full, **on_dp2}, runs("gpt_base"), LAYOUT_RTOL, "dp2 from dp4 x 2 instances")
     resumed = run_case(case, runs.workdir, flags + ["--load", ckpt, "--exit-interval", "15"])
     assert sorted(resumed) == list(range(11, 16))
-    full = runs(case.name)
     assert {s: full[s] for s in resumed} == resumed
 
 
