@@ -108,8 +108,9 @@ def from_megatron(saved: dict, buffer, chunks, args, pp_rank: int, dp_size: int)
 
 # ---- param groups (model_optim_rng.pt["optimizer"]) -------------------------------------------
 def _override(group: dict, args) -> tuple:
-    """Megatron's group key: the sorted overrides of its default config (None for none);
-    --decoupled-min-lr overrides min_lr only when given."""
+    """Megatron's group key: the sorted overrides of its default config; --decoupled-min-lr
+    overrides min_lr only when given. Megatron sorts groups with no override (here: the empty
+    tuple, which sorts before any other) first, then by their overrides."""
     override = {}
     if "max_lr" in group:
         override["max_lr"] = group["max_lr"]
@@ -117,16 +118,16 @@ def _override(group: dict, args) -> tuple:
             override["min_lr"] = group["min_lr"]
     if group["wd_mult"] == 0.0:
         override["wd_mult"] = 0.0
-    return tuple(sorted(override.items())) or None
+    return tuple(sorted(override.items()))
 
 
 def megatron_param_groups(groups: List[dict], args, steps: int) -> List[dict]:
     """Our torch param groups as Megatron's, in its order (default first, then the overrides
     sorted), without their params and with Adam's step count."""
     out = []
-    for g in sorted(groups, key=lambda g: (_override(g, args) is not None, _override(g, args) or ())):
+    for g in sorted(groups, key=lambda g: _override(g, args)):
         plain = {k: v for k, v in g.items() if k != "params"}
-        out.append({**plain, "wd_mult": g["wd_mult"], "lr_mult": 1.0, "is_expert_parallel": False,
+        out.append({**plain, "lr_mult": 1.0, "is_expert_parallel": False,
                     "is_decoupled_lr": False, "max_lr": g.get("max_lr", args.lr), "min_lr": g.get("min_lr", args.min_lr),
                     "default_config": "max_lr" not in g, "step": steps})
     return out

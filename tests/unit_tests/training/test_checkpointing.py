@@ -318,3 +318,19 @@ def test_our_distributed_optimizer_checkpoint_has_megatrons_layout(tmp_path):
     plain_args, _, plain = make_state(tmp_path, "--ckpt-format torch")
     with pytest.raises(ValueError, match="was saved with --use-distributed-optimizer, this run differs"):
         load_checkpoint(plain_args, plain, pgs)
+
+
+def test_param_groups_in_megatrons_order_with_decoupled_lr():
+    """Megatron sorts its groups by their overrides, none first: default, decoupled LR (max_lr,
+    min_lr), decoupled LR without weight decay, then no weight decay."""
+    from types import SimpleNamespace
+
+    from megatron.training.megatron_optim import megatron_param_groups
+
+    args = SimpleNamespace(lr=1e-3, min_lr=0.0, decoupled_min_lr=1e-5)
+    ours = [{"params": [], "wd_mult": w, **({"max_lr": 5e-3, "min_lr": 1e-5} if own else {})}
+            for w, own in ((1.0, False), (0.0, False), (1.0, True), (0.0, True))]  # GROUP_ORDER
+    groups = megatron_param_groups(ours, args, steps=7)
+    assert [(g["wd_mult"], g["max_lr"], g["default_config"]) for g in groups] == [
+        (1.0, 1e-3, True), (1.0, 5e-3, False), (0.0, 5e-3, False), (0.0, 1e-3, True)]
+    assert all(g["step"] == 7 and g["lr_mult"] == 1.0 and "params" not in g for g in groups)
