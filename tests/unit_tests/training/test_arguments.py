@@ -224,3 +224,23 @@ def test_passkey_depth_is_a_fraction():
     base = [a if a != "--mock-data" else "--passkey-data" for a in BASE]
     assert args_for("--passkey-depth 1", base=base).passkey_depth == 1.0
     assert "--passkey-depth must be in (0, 1], got 1.5" in error_of("--passkey-depth 1.5", base=base)
+
+
+@pytest.mark.parametrize("rank, printed, waited", [("0", True, False), ("1", False, True)])
+def test_bad_input_is_printed_by_rank_0_while_the_others_wait(monkeypatch, capsys, rank, printed, waited):
+    """Only rank 0 prints the line; the others hold off their exit so that a launcher tearing the
+    job down on the first failure cannot kill rank 0 before it printed."""
+    from megatron.training import training
+
+    slept = []
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(training.time, "sleep", slept.append)
+
+    def main():
+        raise ArgsError("--lr is required")
+
+    with pytest.raises(SystemExit) as info:
+        training.run_main(main)
+    assert info.value.code == 2
+    assert (capsys.readouterr().err == "pretrain_gpt.py: error: --lr is required\n") == printed
+    assert slept == ([training.REPORT_GRACE_S] if waited else [])
