@@ -18,6 +18,8 @@ import torch
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
+DATA_PARALLEL_RNG = "data-parallel-rng"
+EXPERT_PARALLEL_RNG = "expert-parallel-rng"
 
 
 def _get_state(device: torch.device) -> torch.Tensor:
@@ -82,29 +84,39 @@ def seed_everything(seed: int, tp_rank: int, device: torch.device) -> None:
         torch.cuda.manual_seed(seed)
     _TRACKER = RNGTracker(device)
     _TRACKER.add(MODEL_PARALLEL_RNG, seed + 2718 + tp_rank)
+    # megatron-core's other two streams, unused by a dense GPT: a checkpoint's tracker states are
+    # then the set Megatron-LM's tracker expects when it loads them (its set_states replaces all).
+    _TRACKER.add(DATA_PARALLEL_RNG, seed)
+    _TRACKER.add(EXPERT_PARALLEL_RNG, seed + 1024 + tp_rank)  # expert rank 0, expert-tp rank = tp rank
 
 
 def rng_state_dict() -> dict:
-    """Every stream a run draws from, for exact resume."""
+    """Every stream a run draws from, for exact resume, under Megatron's checkpoint keys (its
+    loader reads them): the tracker's streams are this device's generator states."""
     state = {
-        "random": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "tracker": _TRACKER.get_states(),
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+        "rng_tracker_states": _TRACKER.get_states(),
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
+    if _TRACKER.device.type == "cuda":
+        state["cuda_rng_state"] = torch.cuda.get_rng_state()
     return state
 
 
 def load_rng_state_dict(state: dict) -> None:
-    random.setstate(state["random"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    if "tracker" in state:  # absent: a CUDA run's streams read on CPU; the seeded ones stay
-        _TRACKER.set_states(state["tracker"])
+    """The host streams always; the device's (the CUDA state, the tracker's streams) only when the
+    state was written on the same kind of device: a CUDA generator state cannot drive the CPU's
+    generator, so a run on the other kind keeps the streams it seeded."""
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    written_on_cuda = state.get("cuda_rng_state") is not None
+    if written_on_cuda != (_TRACKER.device.type == "cuda"):
+        return
+    if written_on_cuda:
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    _TRACKER.set_states(state["rng_tracker_states"])
 
 
 class CheckpointRegion:

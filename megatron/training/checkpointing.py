@@ -12,17 +12,19 @@ checkpoint and a tracker that points at it.
 What a resume needs to be exact: model, optimizer (fp32 main params and Adam moments), LR schedule,
 every RNG stream, the iteration and the data position (consumed train and valid samples).
 
-Megatron-LM's own torch-format checkpoints are read too: its `args` is an argparse Namespace (the
-consumed samples inside), its RNG state a list of per-replica dicts with its own key names, and a
-tracker saying `release` names a released model (<dir>/release, trained from iteration 0 with a
-fresh optimizer, as Megatron does). The distributed optimizer's state is in Megatron's layout both
-ways (megatron_optim.py): distrib_optim.pt holds each model chunk's buffer gathered whole, so it
-also loads under another data-parallel size. Megatron's non-distributed optimizer state (torch's
-own, indexed by Megatron's parameter groups) is not read: such a checkpoint resumes with
---no-load-optim.
+The files are Megatron-LM's, both ways: `args` is an argparse Namespace of every argument with
+the consumed samples inside, `rng_state` a list of per-replica dicts under Megatron's key names
+(a CPU run has no CUDA state: Megatron-LM, which always sets one, loads such a checkpoint with
+--no-load-rng), and a tracker saying `release` names a released model (<dir>/release, trained
+from iteration 0 with a fresh optimizer, as Megatron does). The distributed optimizer's state is
+in Megatron's layout both ways (megatron_optim.py): distrib_optim.pt holds each model chunk's
+buffer gathered whole, so it also loads under another data-parallel size; so is the
+non-distributed optimizer's (torch's own state dict, indexed through Megatron's parameter groups,
+with the fp32 main parameters beside it under --bf16 / --fp16).
 """
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 from typing import Optional
@@ -32,7 +34,9 @@ import torch.distributed as dist
 
 from megatron.longseq.random import load_rng_state_dict, rng_state_dict
 from megatron.training.rerun import gathered_states, restore_states
-from megatron.training.megatron_optim import from_megatron, megatron_param_groups, megatron_steps, to_megatron
+from megatron.training.megatron_optim import (
+    from_megatron, from_megatron_plain, megatron_groups, megatron_param_groups, megatron_steps, to_megatron,
+    to_megatron_plain)
 from megatron.training.metrics import print_rank_0
 from megatron.training.model import unwrap
 
@@ -115,11 +119,11 @@ def save_checkpoint(args, state, pgs) -> str:
     rank_dir = os.path.join(tmp, rank_dir_name(pgs))
     distributed = args.use_distributed_optimizer and not args.no_save_optim
     # collective: every rank's shards, whole on every rank; then the writers go their own way
-    flats = state.optimizer.model_space_state() if distributed else None
+    flats = None if args.no_save_optim else state.optimizer.model_space_state()
     rerun = gathered_states(state.rerun)
     if pgs.index("dp_cp") == 0:  # the model is replicated over dp x cp: one writer per (tp, pp)
         os.makedirs(rank_dir, exist_ok=True)
-        atomic_torch_save(_main_file(args, state, rerun), os.path.join(rank_dir, "model_optim_rng.pt"))
+        atomic_torch_save(_main_file(args, state, rerun, flats), os.path.join(rank_dir, "model_optim_rng.pt"))
         if distributed:
             atomic_torch_save(to_megatron(flats, state.optimizer.buffer.offsets, unwrap(state.model), args,
                                           pgs.index("pp"), pgs.size("dp_cp_intra")),
@@ -148,31 +152,34 @@ def publish_tree(root: str, tmp: str, final: str, tracker: str) -> None:
     _atomic_write_text(os.path.join(root, TRACKER), tracker)
 
 
-def _main_file(args, state, rerun: Optional[list]) -> dict:
+def _main_file(args, state, rerun: Optional[list], flats: Optional[dict]) -> dict:
     obj = {
         "checkpoint_version": CHECKPOINT_VERSION,
-        "args": saved_args(args),
+        "args": saved_args(args, state),
         "iteration": state.iteration,
         **_model_states(state.model),
         "opt_param_scheduler": state.scheduler.state_dict(),
-        "consumed_train_samples": state.consumed_train_samples,
-        "consumed_valid_samples": state.consumed_valid_samples,
         "num_floating_point_operations_so_far": state.flops_so_far,
     }
     if not args.no_save_optim:
-        obj["optimizer"] = _megatron_optimizer(args, state.optimizer) if args.use_distributed_optimizer \
-            else state.optimizer.state_dict()
-    if not args.no_save_rng:
-        obj["rng_state"] = rng_state_dict()
+        obj["optimizer"] = _megatron_optimizer(args, state, flats)
+    if not args.no_save_rng:  # Megatron's list of per-replica states; the replicas share one here
+        obj["rng_state"] = [rng_state_dict()]
     if rerun is not None:
         obj["rerun_state_machine"] = rerun
     return obj
 
 
-def _megatron_optimizer(args, optimizer) -> dict:
-    """model_optim_rng.pt's "optimizer" beside distrib_optim.pt, as Megatron's DistributedOptimizer
-    writes it: the param groups without params, Adam's step in each; the fp16 loss scaler."""
-    out = {"optimizer": {"param_groups": megatron_param_groups(optimizer.param_groups, args, optimizer.adam_steps())}}
+def _megatron_optimizer(args, state, flats: dict) -> dict:
+    """model_optim_rng.pt's "optimizer" as Megatron writes it: with the distributed optimizer, the
+    param groups without params beside distrib_optim.pt, Adam's step in each; without, the whole
+    state (megatron_optim.py). The fp16 loss scaler in both."""
+    optimizer = state.optimizer
+    if args.use_distributed_optimizer:
+        out = {"optimizer": {"param_groups": megatron_param_groups(optimizer.param_groups, args, optimizer.adam_steps())}}
+    else:
+        out = to_megatron_plain(flats, optimizer.buffer.offsets, megatron_groups(optimizer, unwrap(state.model), args),
+                                args, optimizer.adam_steps())
     if optimizer.scaler is not None:  # Megatron's scale is a one-element fp32 tensor
         out["grad_scaler"] = {**optimizer.scaler.state_dict(), "scale": torch.tensor([optimizer.scaler.scale])}
     return out
@@ -236,8 +243,7 @@ def load_checkpoint(args, state, pgs) -> bool:
         return False
     rank_dir = os.path.join(path, rank_dir_name(pgs))
     obj = torch.load(os.path.join(rank_dir, "model_optim_rng.pt"), map_location="cpu", weights_only=False)
-    megatron = not isinstance(obj["args"], dict)
-    check_args(_megatron_args(obj["args"]) if megatron else obj["args"], args)
+    check_args(recorded(obj["args"]), args)
     for key, model in zip(model_keys(state.model), unwrap(state.model)):
         model.load_state_dict(obj[key], strict=True)
     state.optimizer.reload_model_params()
@@ -245,7 +251,7 @@ def load_checkpoint(args, state, pgs) -> bool:
         return True
     if not args.no_load_optim:
         _load_optimizer(args, state, obj, rank_dir, pgs)
-    _load_progress(args, state, obj, pgs, megatron)
+    _load_progress(args, state, obj, pgs)
     return True
 
 
@@ -257,32 +263,35 @@ def _load_optimizer(args, state, obj: dict, rank_dir: str, pgs) -> None:
         said = "with" if os.path.isfile(path) else "without"
         raise ValueError(f"{rank_dir} was saved {said} --use-distributed-optimizer, this run differs: its optimizer "
                          f"state does not carry over; load with --no-load-optim")
-    if not args.use_distributed_optimizer:
-        if "layout" not in saved:
-            raise ValueError(f"{rank_dir} is Megatron-LM's non-distributed optimizer state (torch's own, indexed "
-                             f"by Megatron's parameter groups), which is not read; load with --no-load-optim")
-        state.optimizer.load_state_dict(saved)
-        return
-    world = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    flats = from_megatron(world, state.optimizer.buffer, unwrap(state.model), args, pgs.index("pp"),
-                          pgs.size("dp_cp_intra"))
-    state.optimizer.load_model_space_state(flats, megatron_steps(saved))
+    if args.use_distributed_optimizer:
+        world = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        flats = from_megatron(world, state.optimizer.buffer, unwrap(state.model), args, pgs.index("pp"),
+                              pgs.size("dp_cp_intra"))
+        steps = megatron_steps(saved)
+    else:
+        flats, steps = from_megatron_plain(saved, state.optimizer.buffer,
+                                           megatron_groups(state.optimizer, unwrap(state.model), args))
+    state.optimizer.load_model_space_state(flats, steps)
     if state.optimizer.scaler is not None and "grad_scaler" in saved:
         state.optimizer.scaler.load_state_dict(saved["grad_scaler"])
 
 
-def _load_progress(args, state, obj: dict, pgs, megatron: bool) -> None:
+def _load_progress(args, state, obj: dict, pgs) -> None:
     """Schedule, RNG streams, iteration and data position."""
     load_schedule(state.scheduler, obj["opt_param_scheduler"])
     if not args.no_load_rng and "rng_state" in obj:
-        load_rng_state_dict(_megatron_rng(obj["rng_state"], pgs) if megatron else obj["rng_state"])
+        load_rng_state_dict(replica_rng_state(obj["rng_state"], pgs))
     state.iteration = obj["iteration"]
-    counters = vars(obj["args"]) if megatron else obj  # Megatron keeps the consumed samples in its args
-    state.consumed_train_samples = counters.get("consumed_train_samples", 0)
-    state.consumed_valid_samples = counters.get("consumed_valid_samples", 0)
+    load_position(state, obj["args"])
     state.flops_so_far = obj.get("num_floating_point_operations_so_far", 0)
-    if not megatron:  # Megatron keeps its machine's state in torch_dist checkpoints only
-        restore_states(state.rerun, obj.get("rerun_state_machine"), log=print_rank_0)
+    # Megatron-LM keeps its machine's state in torch_dist checkpoints only: absent, nothing to rerun
+    restore_states(state.rerun, obj.get("rerun_state_machine"), log=print_rank_0)
+
+
+def load_position(state, saved: argparse.Namespace) -> None:
+    """The data position, which Megatron keeps inside its `args`."""
+    state.consumed_train_samples = getattr(saved, "consumed_train_samples", 0)
+    state.consumed_valid_samples = getattr(saved, "consumed_valid_samples", 0)
 
 
 def recorded_args(path: str, pgs) -> dict:
@@ -292,27 +301,22 @@ def recorded_args(path: str, pgs) -> dict:
     if not os.path.isfile(file):
         raise ValueError(f"{path} has no {rank_dir_name(pgs)}/model_optim_rng.pt: a torch-format checkpoint loads "
                          f"under the tensor / pipeline sizes that saved it (torch_dist loads under any)")
-    saved = torch.load(file, map_location="cpu", weights_only=False, mmap=True)["args"]
-    return saved if isinstance(saved, dict) else _megatron_args(saved)
+    return recorded(torch.load(file, map_location="cpu", weights_only=False, mmap=True)["args"])
 
 
-def _megatron_args(namespace) -> dict:
-    """MUST_MATCH read from Megatron's Namespace; without GQA its num_query_groups means nothing
-    (every head is its own group, which is how this trainer records it)."""
-    saved = {k: getattr(namespace, k) for k in MUST_MATCH if hasattr(namespace, k)}
+def recorded(namespace: argparse.Namespace) -> dict:
+    """The MUST_MATCH and DESCRIBED values of a checkpoint's `args`. Without GQA, Megatron's
+    num_query_groups means nothing: every head is its own group, as this trainer records it."""
+    saved = {k: getattr(namespace, k) for k in MUST_MATCH + DESCRIBED if hasattr(namespace, k)}
     if not getattr(namespace, "group_query_attention", False):
         saved["num_query_groups"] = namespace.num_attention_heads
     return saved
 
 
-def _megatron_rng(states: list, pgs) -> dict:
-    """Megatron's RNG state: one dict per data-parallel replica (one when they share it)."""
-    mine = states[pgs.index("dp") if len(states) > 1 else 0]
-    ours = {"random": mine["random_rng_state"], "numpy": mine["np_rng_state"], "torch": mine["torch_rng_state"]}
-    if torch.cuda.is_available():  # Megatron's tracker streams and cuda state are CUDA generator states
-        ours["tracker"] = mine["rng_tracker_states"]
-        ours["cuda"] = mine["cuda_rng_state"]
-    return ours
+def replica_rng_state(states: list, pgs) -> dict:
+    """This rank's entry of Megatron's RNG list: one per data-parallel replica when they draw
+    differently (its --data-parallel-random-init), else one for all."""
+    return states[pgs.index("dp") if len(states) > 1 else 0]
 
 
 def load_schedule(scheduler, saved: dict) -> None:
@@ -325,8 +329,12 @@ def load_schedule(scheduler, saved: dict) -> None:
                          "--override-opt_param-scheduler (this run's)") from None
 
 
-def saved_args(args) -> dict:
-    return {k: getattr(args, k, None) for k in MUST_MATCH + DESCRIBED}
+def saved_args(args, state) -> argparse.Namespace:
+    """Megatron's `args` entry: every argument of the run in an argparse Namespace, the data
+    position inside (where Megatron's loader reads it)."""
+    kept = {k: v for k, v in vars(args).items() if not k.startswith("_")}  # not the refusal bookkeeping
+    return argparse.Namespace(**kept, consumed_train_samples=state.consumed_train_samples,
+                              consumed_valid_samples=state.consumed_valid_samples)
 
 
 def check_args(saved: dict, args) -> None:

@@ -46,7 +46,8 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 from megatron.longseq.random import load_rng_state_dict, rng_state_dict
 from megatron.training.rerun import gathered_states, restore_states
 from megatron.training.checkpointing import (
-    CHECKPOINT_VERSION, LAYOUT_ARGS, check_args, iteration_dir, load_schedule, model_keys, publish, saved_args)
+    CHECKPOINT_VERSION, LAYOUT_ARGS, check_args, iteration_dir, load_position, load_schedule, model_keys, publish,
+    recorded, saved_args)
 from megatron.training.metrics import print_rank_0
 from megatron.training.model import unwrap
 from megatron.training.optimizer import MODEL_SPACE
@@ -121,12 +122,10 @@ def _common(args, state, pgs) -> dict:
     """Plain values (common.pt, written by rank 0): the same on every rank."""
     common = {
         "checkpoint_version": CHECKPOINT_VERSION,
-        "args": saved_args(args),
+        "args": saved_args(args, state),
         "layout": _layout(pgs),
         "iteration": state.iteration,
         "opt_param_scheduler": state.scheduler.state_dict(),
-        "consumed_train_samples": state.consumed_train_samples,
-        "consumed_valid_samples": state.consumed_valid_samples,
         "num_floating_point_operations_so_far": state.flops_so_far,
         "rng_saved": not args.no_save_rng,
     }
@@ -279,7 +278,7 @@ def _load_strategy(args, pgs):
 
 
 def _model_args(common: dict) -> dict:
-    return {k: v for k, v in common["args"].items() if k not in LAYOUT_ARGS}  # any layout loads
+    return {k: v for k, v in recorded(common["args"]).items() if k not in LAYOUT_ARGS}  # any layout loads
 
 
 def recorded_args(path: str) -> dict:
@@ -318,7 +317,6 @@ def load_checkpoint(args, state, pgs, path: str) -> None:
     if rng:
         load_rng_state_dict(loaded["rng_state"])
     state.iteration = common["iteration"]
-    state.consumed_train_samples = common["consumed_train_samples"]
-    state.consumed_valid_samples = common["consumed_valid_samples"]
+    load_position(state, common["args"])
     state.flops_so_far = common["num_floating_point_operations_so_far"]
     restore_states(state.rerun, common.get("rerun_state_machine"), log=print_rank_0)

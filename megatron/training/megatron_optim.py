@@ -18,6 +18,14 @@ holds `bucket_size` elements. The
 bucket size is None (one bucket) without --overlap-grad-reduce, on every pipeline stage but the
 first and for every virtual chunk but the first; else --ddp-bucket-size or max(4e7, 1e6 x dp).
 
+Without the distributed optimizer, `model_optim_rng.pt["optimizer"]` is Megatron's
+Float16OptimizerWithFloat16Params state with --bf16 / --fp16: `{"optimizer": torch's state dict,
+"fp32_from_fp16_params": [[fp32 copy per 16-bit parameter] per group], "grad_scaler"}`, and
+FP32Optimizer's (torch's state dict itself) without. torch's state dict indexes the parameters
+0, 1, ... through Megatron's groups in turn, each group's parameters in registration order,
+chunk after chunk (megatron-core's _get_param_groups); each index's state is
+{"step", "exp_avg", "exp_avg_sq"} in the parameter's shape.
+
 This trainer's own buffer is laid out differently (no alignment, its own buckets): the state goes
 through model space (per parameter) between the two.
 """
@@ -26,6 +34,8 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Tuple
 
 import torch
+
+from megatron.training.optimizer import group_key
 
 # Megatron's names of the per-parameter state, and ours (DistributedAdam.model_space_state).
 STATES = {"param": "fp32_param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
@@ -139,3 +149,70 @@ def megatron_steps(saved_optimizer: dict) -> int:
     if len(steps) != 1:
         raise ValueError(f"the checkpoint's param groups disagree on Adam's step count: {sorted(steps)}")
     return steps.pop()
+
+
+# ---- the non-distributed optimizer (model_optim_rng.pt["optimizer"]) ----------------------------
+def megatron_groups(optimizer, chunks, args) -> List[Tuple[dict, list]]:
+    """(live torch param group, its model parameters) in Megatron's order: groups sorted as
+    megatron_param_groups sorts them, parameters chunk after chunk in registration order."""
+    members = {}
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            if p.requires_grad:
+                members.setdefault(group_key(name, p, args), []).append(p)
+    live = dict(zip(optimizer.group_keys, optimizer.param_groups))
+    return sorted(((live[key], params) for key, params in members.items()), key=lambda gp: _override(gp[0], args))
+
+
+def _piece(flat: torch.Tensor, offsets: Dict, p) -> torch.Tensor:
+    return flat[offsets[p] : offsets[p] + p.numel()].view(p.shape)  # flat [numel] -> p's shape
+
+
+def to_megatron_plain(flats: Dict[str, torch.Tensor], offsets: Dict, ordered, args, steps: int) -> dict:
+    """Megatron's non-distributed optimizer state from this trainer's model-space flats."""
+    groups = megatron_param_groups([g for g, _ in ordered], args, steps)
+    state, fp32_copies, index = {}, [], 0
+    for group, (_, params) in zip(groups, ordered):
+        group["params"] = list(range(index, index + len(params)))
+        fp32_copies.append([_piece(flats["fp32_param"], offsets, p).cpu().clone()
+                            for p in params if p.dtype != torch.float32])
+        for p in params:
+            if steps:  # torch's AdamW keeps a per-parameter step (fused Adams keep the group's)
+                state[index] = {"step": torch.tensor(float(steps)),
+                                **{k: _piece(flats[k], offsets, p).cpu().clone() for k in ("exp_avg", "exp_avg_sq")}}
+            index += 1
+    torch_state = {"state": state, "param_groups": groups}
+    if not (args.bf16 or args.fp16):
+        return torch_state  # FP32Optimizer's state is torch's own
+    return {"optimizer": torch_state, "fp32_from_fp16_params": fp32_copies}
+
+
+def from_megatron_plain(saved: dict, buffer, ordered) -> Tuple[Dict[str, torch.Tensor], int]:
+    """(model-space flats laid out like `buffer`, Adam's step count) from Megatron's
+    non-distributed optimizer state; the model's weights must be loaded already (an fp32 model's
+    are its main parameters)."""
+    torch_state = saved.get("optimizer", saved)
+    groups = torch_state["param_groups"]
+    if [len(g["params"]) for g in groups] != [len(params) for _, params in ordered]:
+        raise ValueError(f"the checkpoint's optimizer groups hold {[len(g['params']) for g in groups]} parameters, "
+                         f"this model's {[len(params) for _, params in ordered]}: another model or --decoupled-lr")
+    flats = {name: torch.zeros_like(buffer.param_data, dtype=torch.float32) for name in STATES.values()}
+    copies = saved.get("fp32_from_fp16_params", [[] for _ in groups])
+    for group, copied, (_, params) in zip(groups, copies, ordered):
+        copied = iter(copied)
+        for index, p in zip(group["params"], params):
+            main = next(copied) if p.dtype != torch.float32 else p.detach()
+            _piece(flats["fp32_param"], buffer.offsets, p).copy_(main)
+            for name in ("exp_avg", "exp_avg_sq"):
+                if index in torch_state["state"]:
+                    _piece(flats[name], buffer.offsets, p).copy_(torch_state["state"][index][name])
+    return flats, _plain_steps(torch_state)
+
+
+def _plain_steps(torch_state: dict) -> int:
+    """Adam's step count: per parameter (torch's AdamW) or per group (fused Adams); one value."""
+    steps = {int(s["step"]) for s in torch_state["state"].values() if "step" in s}
+    steps |= {int(g["step"]) for g in torch_state["param_groups"] if "step" in g}
+    if len(steps) > 1:
+        raise ValueError(f"the checkpoint's optimizer state disagrees on Adam's step count: {sorted(steps)}")
+    return steps.pop() if steps else 0

@@ -26,8 +26,14 @@ def no_weight_decay(name: str, param: torch.Tensor) -> bool:
     return name.endswith(".bias") or param.dim() == 1
 
 
-# Parameter groups by (weight decay, own learning rate), in a fixed order (checkpoints list them).
+# Parameter groups by (weight decay, own learning rate), in a fixed order.
 GROUP_ORDER = ((True, False), (False, False), (True, True), (False, True))
+
+
+def group_key(name: str, param: torch.Tensor, args) -> tuple:
+    """The (weight decay, own learning rate) group of a model parameter."""
+    own_lr = getattr(args, "decoupled_lr", None) is not None and getattr(param, "is_embedding_or_output_parameter", False)
+    return not no_weight_decay(name, param), own_lr
 
 
 def param_group(params, decay: bool, own_lr: bool, args) -> dict:
@@ -63,7 +69,6 @@ class DistributedAdam:
         self.main_data = buffer.param_data if self.fp32_model else self._main_copy()
         tp_rank = pgs.index("tp")
         self.fragments: List[Fragment] = []
-        decoupled = getattr(args, "decoupled_lr", None) is not None
         groups = {key: [] for key in GROUP_ORDER}
         for p, start, end in buffer.param_fragments():
             main = self.main_data[start:end]
@@ -71,10 +76,9 @@ class DistributedAdam:
             # Counted once: tp replicas only on tp rank 0, the tied embedding only on the first stage.
             counted = (getattr(p, "tensor_model_parallel", False) or tp_rank == 0) and not getattr(p, "shared", False)
             self.fragments.append(Fragment(main, counted, start))
-            own_lr = decoupled and getattr(p, "is_embedding_or_output_parameter", False)
-            groups[(not no_weight_decay(names[p], p), own_lr)].append(main)
-        param_groups = [param_group(params, decay, own_lr, args)
-                        for (decay, own_lr), params in groups.items() if params]
+            groups[group_key(names[p], p, args)].append(main)
+        self.group_keys = [key for key in GROUP_ORDER if groups[key]]  # of self.param_groups, in turn
+        param_groups = [param_group(groups[key], *key, args) for key in self.group_keys]
         self.optimizer = torch.optim.AdamW(
             param_groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
             eps=args.adam_eps, weight_decay=args.weight_decay,
@@ -170,18 +174,7 @@ class DistributedAdam:
     def zero_grad(self) -> None:
         self.buffer.zero_grad()
 
-    # ---- checkpoint ------------------------------------------------------------------------------
-    def layout(self) -> dict:
-        return {"shards": self.buffer.shards, "ranges": self.buffer.owned_ranges()}
-
-    def state_dict(self) -> dict:
-        state = {"optimizer": self.optimizer.state_dict(), "layout": self.layout()}
-        if self.scaler is not None:
-            state["grad_scaler"] = self.scaler.state_dict()
-        if not self.fp32_model:
-            state["main_params"] = [self.main_data[lo:hi].clone() for lo, hi in self.buffer.owned_ranges()]
-        return state
-
+    # ---- checkpoint (in model space, see megatron_optim.py) ------------------------------------
     def model_space_state(self) -> Dict[str, torch.Tensor]:
         """Main params and Adam moments of every parameter of this model part, whole on every
         data-parallel rank, laid out like the flat buffers: the form a checkpoint cuts by model
@@ -215,18 +208,3 @@ class DistributedAdam:
                 self.optimizer.state[f.main] = {"step": torch.tensor(float(steps), dtype=torch.float32),
                                                 "exp_avg": flats["exp_avg"][piece].clone(),
                                                 "exp_avg_sq": flats["exp_avg_sq"][piece].clone()}
-
-    def load_state_dict(self, state: dict) -> None:
-        if state["layout"] != self.layout():
-            raise ValueError(
-                f"optimizer checkpoint layout ({state['layout']['shards']} shard(s), buckets "
-                f"{state['layout']['ranges']}) does not match this run's ({self.buffer.shards}, "
-                f"{self.buffer.owned_ranges()}): other --ddp-bucket-size settings? (or load with --no-load-optim)"
-            )
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.scaler is not None and "grad_scaler" in state:
-            self.scaler.load_state_dict(state["grad_scaler"])
-        # load_state_dict rebuilt the param groups from ours; the fragments stay the same objects.
-        if "main_params" in state:
-            for (lo, hi), saved in zip(self.buffer.owned_ranges(), state["main_params"]):
-                self.main_data[lo:hi].copy_(saved)

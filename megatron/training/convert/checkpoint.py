@@ -8,6 +8,7 @@ tokenizer files (tokenizer/), so an export writes back the same config.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -18,7 +19,7 @@ import torch
 
 from megatron.training.checkpointing import (
     CHECKPOINT_VERSION, FORMAT_FILE, HF_CONFIG, RELEASE, TOKENIZER_DIR, atomic_torch_save, latest_checkpoint,
-    publish_tree)
+    publish_tree, recorded)
 from megatron.training.convert.hf import TOKENIZER_FILES, ConvertError
 from megatron.training.convert.layout import unshard
 
@@ -38,7 +39,8 @@ def write_release(root: str, ranks: Dict[Tuple[int, int], dict], saved_args: dic
     pp = saved_args["pipeline_model_parallel_size"]
     for (t, p), model in ranks.items():
         os.makedirs(os.path.join(tmp, rank_dir(t, p, pp)))
-        obj = {"checkpoint_version": CHECKPOINT_VERSION, "args": saved_args, "iteration": 0, "model": model}
+        obj = {"checkpoint_version": CHECKPOINT_VERSION, "args": argparse.Namespace(**saved_args), "iteration": 0,
+               "model": model}
         atomic_torch_save(obj, os.path.join(tmp, rank_dir(t, p, pp), "model_optim_rng.pt"))
     publish_tree(root, tmp, final, RELEASE)
     return final
@@ -96,10 +98,10 @@ def _read_torch(path: str) -> Tuple[dict, Dict[Tuple[int, int], dict], int, int]
     ranks, saved = {}, None
     for (t, p), d in found.items():
         obj = torch.load(os.path.join(path, d, "model_optim_rng.pt"), map_location="cpu", weights_only=False)
-        if not isinstance(obj.get("args"), dict) or "model" not in obj:
-            raise ConvertError(f"{path}/{d}: not this trainer's checkpoint of one model chunk (Megatron-LM's own "
-                               f"or a virtual-pipeline one)")
-        ranks[(int(t), int(p or 0))], saved = obj["model"], obj["args"]
+        if not isinstance(obj.get("args"), argparse.Namespace) or "model" not in obj:
+            raise ConvertError(f"{path}/{d}: not a checkpoint of one model chunk with its arguments (a "
+                               f"virtual-pipeline one has model0, model1, ...)")
+        ranks[(int(t), int(p or 0))], saved = obj["model"], recorded(obj["args"])
     return saved, ranks, tp, pp
 
 
@@ -115,7 +117,7 @@ def _read_torch_dist(path: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
     from torch.distributed.checkpoint import FileSystemReader, load
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    saved = dist_checkpointing.load_common_state_dict(path)["args"]
+    saved = recorded(dist_checkpointing.load_common_state_dict(path)["args"])
     reader = FileSystemReader(path)
     stored = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
               for key, meta in reader.read_metadata().state_dict_metadata.items()

@@ -6,14 +6,15 @@ import torch
 
 from megatron.training import checkpointing
 from megatron.training.checkpointing import TRACKER, load_checkpoint, read_tracker, save_checkpoint
+from megatron.training.model import unwrap
 from megatron.training.training import setup
 from tests.unit_tests.dist_utils import grid_groups, init_single_rank_world
 from tests.unit_tests.model_utils import lm_loss, tiny_args, tiny_gpt
 
 
-def make_state(tmp_path, extra=""):
+def make_state(tmp_path, extra="", precision="--bf16"):
     init_single_rank_world()
-    args = tiny_args(f"--save {tmp_path} --load {tmp_path} --bf16 {extra}")
+    args = tiny_args(f"--save {tmp_path} --load {tmp_path} {precision} {extra}")
     pgs = grid_groups()
     state = setup(args, pgs, lambda a, p, d: tiny_gpt(a, p))
     return args, pgs, state
@@ -87,7 +88,7 @@ def test_finetune_loads_the_model_only(tmp_path):
     tuned_args, _, tuned = make_state(tmp_path, "--finetune")
     assert load_checkpoint(tuned_args, tuned, pgs)
     assert (tuned.iteration, tuned.consumed_train_samples, tuned.scheduler.num_steps) == (0, 0, 0)
-    assert not tuned.optimizer.state_dict()["optimizer"]["state"]  # no Adam moments carried over
+    assert not tuned.optimizer.optimizer.state  # no Adam moments carried over
     for key, value in state.model[0].state_dict().items():
         if torch.is_tensor(value):
             assert torch.equal(tuned.model[0].state_dict()[key], value), key
@@ -138,31 +139,34 @@ def write_megatron_checkpoint(root, directory, state, args, tracker):
     namespace = argparse.Namespace(**{k: getattr(args, k) for k in checkpointing.MUST_MATCH},
                                    group_query_attention=False, consumed_train_samples=24, consumed_valid_samples=8)
     namespace.num_query_groups = 1  # Megatron's default, meaningless without GQA
+    # Written on a GPU: CUDA generator states (seed and offset, 16 bytes), which a CPU run cannot take.
+    cuda_state = torch.zeros(16, dtype=torch.uint8)
     rng = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
-           "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": None, "rng_tracker_states": {}}
+           "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": cuda_state,
+           "rng_tracker_states": {"model-parallel-rng": cuda_state.clone()}}
     path = root / directory / "mp_rank_00"
     path.mkdir(parents=True)
     torch.save({"args": namespace, "checkpoint_version": 3.0, "iteration": 3,
-                "model": state.model[0].module.state_dict(), "optimizer": {"optimizer": {}},
+                "model": state.model[0].module.state_dict(),
+                "optimizer": megatron_core_optimizer(unwrap(state.model), args)[0].state_dict(),
                 "opt_param_scheduler": state.scheduler.state_dict(), "rng_state": [rng],
                 "num_floating_point_operations_so_far": 123.0}, path / "model_optim_rng.pt")
     (root / TRACKER).write_text(tracker)
 
 
 def test_megatron_torch_checkpoint_loads(tmp_path):
-    """Weights, iteration, data position, FLOPs and RNG from Megatron's own layout; its
-    non-distributed optimizer state is refused in one line (--no-load-optim takes the rest); a
-    release starts at 0."""
+    """Weights, optimizer, iteration, data position, FLOPs and the host RNG streams from Megatron's
+    own layout; a release starts at 0."""
     args, pgs, state = make_state(tmp_path, "--ckpt-format torch")
     train_one_step(state, args)
     write_megatron_checkpoint(tmp_path, "iter_0000003", state, args, "3")
     after_rng = torch.rand(2)
-    _, _, fresh = make_state(tmp_path, "--ckpt-format torch")
-    with pytest.raises(ValueError, match="is Megatron-LM's non-distributed optimizer state .* load with --no-load-optim"):
-        load_checkpoint(args, fresh, pgs)
-    args2, _, fresh = make_state(tmp_path, "--ckpt-format torch --no-load-optim")
+    args2, _, fresh = make_state(tmp_path, "--ckpt-format torch")
     assert load_checkpoint(args2, fresh, pgs)
+    # its fp32 copies of the (bf16) weights it was handed
+    assert torch.equal(fresh.optimizer.main_data, state.optimizer.buffer.param_data.float())
     assert torch.equal(torch.rand(2), after_rng)
+    draws()  # the tensor-parallel stream keeps this run's seeding: the checkpoint's is a CUDA state
     assert (fresh.iteration, fresh.consumed_train_samples, fresh.consumed_valid_samples, fresh.flops_so_far) == (
         3, 24, 8, 123.0)
     for key, value in state.model[0].state_dict().items():
@@ -320,6 +324,126 @@ def test_our_distributed_optimizer_checkpoint_has_megatrons_layout(tmp_path):
         load_checkpoint(plain_args, plain, pgs)
 
 
+def megatron_core_optimizer(chunks, args):
+    """megatron-core's own non-distributed optimizer over `chunks`, for its state_dict() and
+    load_state_dict(): groups and their order from its _get_param_groups; with bf16 parameters
+    Float16OptimizerWithFloat16Params over fp32 copies, else FP32Optimizer. Their constructors
+    allocate CUDA tensors, so the objects are assembled on the host with the attributes those two
+    methods read."""
+    from megatron.core.optimizer import OptimizerConfig, _get_param_groups
+    from megatron.core.optimizer.optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params
+
+    config = OptimizerConfig(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, bf16=args.bf16)
+    groups = _get_param_groups(chunks, config, None)
+    if not args.bf16:
+        core = object.__new__(FP32Optimizer)
+    else:
+        core = object.__new__(Float16OptimizerWithFloat16Params)
+        core.fp32_from_float16_groups = [[p.detach().float() for p in g["params"]] for g in groups]
+        groups = [{**g, "params": mains} for g, mains in zip(groups, core.fp32_from_float16_groups)]
+        core.grad_scaler = None
+    core.optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2))
+    core.config = config
+    return core, [p for g in _get_param_groups(chunks, config, None) for p in g["params"]]
+
+
+@pytest.mark.parametrize("precision", ["--bf16", ""], ids=["bf16", "fp32"])
+def test_megatrons_non_distributed_optimizer_state_both_ways(tmp_path, precision):
+    """Ours loads in megatron-core's optimizer (its load_state_dict) with every parameter's main
+    value and Adam moments where they belong; what megatron-core's state_dict() writes from it,
+    loaded here, resumes bit for bit."""
+    args, pgs, state = make_state(tmp_path, "--ckpt-format torch", precision)
+    for _ in range(2):
+        train_one_step(state, args)
+    save_checkpoint(args, state, pgs)
+    file = tmp_path / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt"
+    obj = torch.load(file, weights_only=False)
+    core, params = megatron_core_optimizer(unwrap(state.model), args)
+    core.load_state_dict(obj["optimizer"])
+
+    ours, offsets = state.optimizer.model_space_state(), state.optimizer.buffer.offsets
+    mains = [m for g in core.optimizer.param_groups for m in g["params"]]
+    for p, main in zip(params, mains):
+        piece = slice(offsets[p], offsets[p] + p.numel())
+        assert torch.equal(main.detach().flatten(), ours["fp32_param"][piece])
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(core.optimizer.state[main][name].flatten(), ours[name][piece])
+        assert int(core.optimizer.state[main]["step"]) == 2
+
+    obj["optimizer"] = core.state_dict()  # as megatron-core writes it
+    torch.save(obj, file)
+    train_one_step(state, args)
+    _, _, fresh = make_state(tmp_path, "--ckpt-format torch", precision)
+    load_checkpoint(args, fresh, pgs)
+    train_one_step(fresh, args)
+    assert torch.equal(fresh.optimizer.main_data, state.optimizer.main_data)
+    assert torch.equal(fresh.optimizer.buffer.param_data, state.optimizer.buffer.param_data)
+
+
+# What Megatron-LM's load_checkpoint reads from model_optim_rng.pt besides the model and optimizer
+# (facts of its checkpointing.py): check_checkpoint_args compares these attributes of `args` (the
+# vocabulary ones when it has a vocab file; the layout from checkpoint version 3.0 on) ...
+MEGATRON_COMPARED = ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings",
+                     "make_vocab_size_divisible_by", "padded_vocab_size", "tokenizer_type",
+                     "tensor_model_parallel_size", "pipeline_model_parallel_size")
+# ... and each entry of the rng_state list has these keys (cuda_rng_state too where CUDA ran).
+MEGATRON_RNG_KEYS = {"random_rng_state", "np_rng_state", "torch_rng_state", "rng_tracker_states"}
+
+
+def test_our_torch_checkpoint_reads_as_megatrons_loader_reads_it(tmp_path):
+    """torch.load with its default weights_only=True (megatron-core registers the classes it
+    allows, argparse.Namespace among them) reads both files; `args` is a Namespace of every
+    argument with the data position inside; the RNG state is Megatron's list, its tracker holding
+    megatron-core's three streams; and this trainer resumes from it exactly."""
+    import argparse
+
+    from megatron.core.safe_globals import register_safe_globals
+    from megatron.core.tensor_parallel import random as core_random
+
+    register_safe_globals()  # as importing megatron.core does in Megatron-LM
+
+    args, pgs, state = make_state(tmp_path, "--ckpt-format torch --use-distributed-optimizer")
+    for _ in range(2):
+        train_one_step(state, args)
+    draws()  # every stream moves past where a fresh run's seeding leaves it
+    save_checkpoint(args, state, pgs)
+    rank_dir = tmp_path / "iter_0000002" / "mp_rank_00"
+    obj = torch.load(rank_dir / "model_optim_rng.pt", map_location="cpu")
+    torch.load(rank_dir / "distrib_optim.pt", map_location="cpu")
+    saved = obj["args"]
+    assert isinstance(saved, argparse.Namespace) and obj["checkpoint_version"] == 3.0 and obj["iteration"] == 2
+    assert {k: getattr(saved, k) for k in MEGATRON_COMPARED} == {k: getattr(args, k) for k in MEGATRON_COMPARED}
+    assert (saved.consumed_train_samples, saved.consumed_valid_samples) == (state.consumed_train_samples, 0)
+    assert {"model", "optimizer", "opt_param_scheduler", "num_floating_point_operations_so_far"} <= set(obj)
+    [rng] = obj["rng_state"]
+    assert set(rng) == MEGATRON_RNG_KEYS  # a CPU run: no CUDA state (Megatron-LM needs --no-load-rng)
+    assert set(rng["rng_tracker_states"]) == {core_random._MODEL_PARALLEL_RNG_TRACKER_NAME,
+                                              core_random._DATA_PARALLEL_RNG_TRACKER_NAME,
+                                              core_random._EXPERT_PARALLEL_RNG_TRACKER_NAME}
+
+    train_one_step(state, args)
+    after = draws()
+    _, _, fresh = make_state(tmp_path, "--ckpt-format torch --use-distributed-optimizer")
+    load_checkpoint(args, fresh, pgs)
+    assert fresh.consumed_train_samples == saved.consumed_train_samples
+    train_one_step(fresh, args)
+    assert torch.equal(fresh.optimizer.main_data, state.optimizer.main_data)
+    assert draws() == after  # python, numpy, torch and the tensor-parallel stream continue where they were
+
+
+def draws() -> tuple:
+    """One number from each stream a run draws from."""
+    import random
+
+    import numpy as np
+
+    from megatron.longseq.random import get_rng_tracker
+
+    with get_rng_tracker().fork():
+        tp_stream = torch.rand(1).item()
+    return random.random(), np.random.rand(), torch.rand(1).item(), tp_stream
+
+
 def test_param_groups_in_megatrons_order_with_decoupled_lr():
     """Megatron sorts its groups by their overrides, none first: default, decoupled LR (max_lr,
     min_lr), decoupled LR without weight decay, then no weight decay."""
@@ -334,3 +458,35 @@ def test_param_groups_in_megatrons_order_with_decoupled_lr():
     assert [(g["wd_mult"], g["max_lr"], g["default_config"]) for g in groups] == [
         (1.0, 1e-3, True), (1.0, 5e-3, False), (0.0, 5e-3, False), (0.0, 1e-3, True)]
     assert all(g["step"] == 7 and g["lr_mult"] == 1.0 and "params" not in g for g in groups)
+
+
+@pytest.mark.parametrize("written_on, run_on, device_streams_taken", [
+    ("cuda", "cuda", True), ("cpu", "cuda", False), ("cuda", "cpu", False), ("cpu", "cpu", True)])
+def test_rng_state_takes_device_streams_only_from_the_same_kind_of_device(monkeypatch, written_on, run_on,
+                                                                         device_streams_taken):
+    """The CUDA state and the tracker's streams are generator states of the device that wrote
+    them: a run on the other kind keeps its own seeded ones (a CUDA state cannot drive the CPU
+    generator, nor the reverse); the host streams are always taken. torch.cuda's generator
+    calls are stood in for by a recorder, so the CUDA side is checked on any machine."""
+    from megatron.longseq import random as ls_random
+
+    cuda_state, set_calls = torch.full((16,), 7, dtype=torch.uint8), []
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device=None: cuda_state.clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device=None: set_calls.append(state))
+    monkeypatch.setattr(torch.cuda, "manual_seed", lambda seed: None)
+    written_tracker = ls_random.RNGTracker(torch.device(written_on))
+    written_tracker.states = {"model-parallel-rng": torch.full((3,), 1, dtype=torch.uint8)}
+    monkeypatch.setattr(ls_random, "_TRACKER", written_tracker)
+    saved = ls_random.rng_state_dict()
+    assert ("cuda_rng_state" in saved) == (written_on == "cuda")
+
+    own = {"model-parallel-rng": torch.full((3,), 2, dtype=torch.uint8)}
+    run_tracker = ls_random.RNGTracker(torch.device(run_on))
+    run_tracker.states = dict(own)
+    monkeypatch.setattr(ls_random, "_TRACKER", run_tracker)
+    torch.manual_seed(123)  # the host stream moves; loading puts it back
+    ls_random.load_rng_state_dict(saved)
+    assert torch.equal(torch.get_rng_state(), saved["torch_rng_state"])
+    taken = torch.equal(run_tracker.states["model-parallel-rng"], written_tracker.states["model-parallel-rng"])
+    assert taken == device_streams_taken
+    assert len(set_calls) == (1 if device_streams_taken and run_on == "cuda" else 0)
