@@ -77,12 +77,18 @@ class DistributedAdam:
             counted = (getattr(p, "tensor_model_parallel", False) or tp_rank == 0) and not getattr(p, "shared", False)
             self.fragments.append(Fragment(main, counted, start))
             groups[group_key(names[p], p, args)].append(main)
-        self.group_keys = [key for key in GROUP_ORDER if groups[key]]  # of self.param_groups, in turn
+        # Every group the model has, even one empty in this rank's shard (a rank may own nothing):
+        # the groups, their order and the LR schedule are the same on every rank.
+        present = {group_key(n, p, args) for p, n in names.items() if p.requires_grad}
+        self.group_keys = [key for key in GROUP_ORDER if key in present]  # of self.param_groups, in turn
         param_groups = [param_group(groups[key], *key, args) for key in self.group_keys]
         self.optimizer = torch.optim.AdamW(
             param_groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
             eps=args.adam_eps, weight_decay=args.weight_decay,
         )
+        # Adam's step count, kept here rather than read from a parameter's state: a rank whose
+        # shard is all padding has none, and every rank must agree on it
+        self.steps = 0
 
     @property
     def param_groups(self):
@@ -159,6 +165,7 @@ class DistributedAdam:
                     f.main.grad.mul_(coeff)
         num_zeros = self.count_zeros() if count_zeros else None
         self.optimizer.step()
+        self.steps += 1
         if not self.fp32_model:
             for lo, hi in self.buffer.owned_ranges():
                 self.buffer.param_data[lo:hi].copy_(self.main_data[lo:hi])
@@ -193,12 +200,12 @@ class DistributedAdam:
 
     def adam_steps(self) -> int:
         """Adam's step count (the same for every parameter; bias correction depends on it)."""
-        state = self.optimizer.state.get(self.fragments[0].main) if self.fragments else None
-        return int(state["step"]) if state else 0
+        return self.steps
 
     def load_model_space_state(self, flats: Dict[str, torch.Tensor], steps: int) -> None:
         """Inverse of model_space_state: take this rank's owned pieces; the model's own copy of the
         weights must already be loaded (they agree with the main params to the model's precision)."""
+        self.steps = steps
         for f in self.fragments:
             piece = slice(f.start, f.start + f.main.numel())
             f.main.copy_(flats["fp32_param"][piece])

@@ -12,6 +12,7 @@ import random
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -21,6 +22,14 @@ from tests.unit_tests.dist_utils import free_port
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
 LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*? lm loss: ([0-9.E+-]+) \|")
+# Megatron-LM's golden-value metrics, read as its test harness reads them: tensorboard scalars of
+# the run, values rounded to 5 decimals. Loss and zero count are properties of the numerics; time
+# and memory are the machine's, kept for the record.
+METRICS = ("lm loss", "num-zeros", "mem-allocated-bytes", "mem-max-allocated-bytes", "iteration-time")
+MACHINE_METRICS = ("mem-allocated-bytes", "mem-max-allocated-bytes", "iteration-time")
+GOLDEN_DECIMALS = 5
+# What makes a run write them (the log only; the numerics are the same without).
+METRIC_FLAGS = ["--log-num-zeros-in-grad", "--log-memory-to-tensorboard", "--log-timers-to-tensorboard"]
 
 
 def make_corpus(directory: Path) -> str:
@@ -53,21 +62,35 @@ def command(case: Case, extra: List[str], data_prefix: Optional[str]) -> List[st
 
 
 class Curve(dict):
-    """{iteration: lm loss} of a run, with the run's standard output as `.log`."""
+    """{iteration: lm loss} of a run as printed, with the run's standard output as `.log` and its
+    tensorboard scalars of METRICS as `.metrics` ({metric: {iteration: value}})."""
 
     log = ""
+    metrics: Dict[str, Dict[int, float]] = {}
+
+
+def read_metrics(tensorboard_dir: Path) -> Dict[str, Dict[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tensorboard_dir))
+    events.Reload()
+    present = set(events.Tags()["scalars"])
+    return {m: {e.step: e.value for e in events.Scalars(m)} for m in METRICS if m in present}
 
 
 def run_case(case: Case, workdir: Path, extra: List[str] = (), timeout: int = 600) -> Curve:
     """Run `case`; return {iteration: lm loss} (and its log). Raises with the output tail on failure."""
     data = make_corpus(workdir / "corpus") if case.data else None
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(command(case, list(extra), data), cwd=workdir, env=env, capture_output=True,
+    tensorboard = Path(tempfile.mkdtemp(prefix=f"tb-{case.name}-", dir=workdir))
+    # the caller's flags last: a test's own --tensorboard-dir wins
+    flags = METRIC_FLAGS + ["--tensorboard-dir", str(tensorboard)] + list(extra)
+    proc = subprocess.run(command(case, flags, data), cwd=workdir, env=env, capture_output=True,
                           text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{case.name} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-4000:]}")
     curve = Curve((int(m.group(1)), float(m.group(2))) for m in LINE.finditer(proc.stdout))
-    curve.log = proc.stdout
+    curve.log, curve.metrics = proc.stdout, read_metrics(tensorboard)
     return curve
 
 
@@ -75,16 +98,24 @@ def golden_path(name: str) -> Path:
     return GOLDEN_DIR / f"{name}.json"
 
 
-def load_golden(name: str) -> Dict[int, float]:
-    blob = json.loads(golden_path(name).read_text())["lm loss"]
+def load_golden(name: str, metric: str = "lm loss") -> Dict[int, float]:
+    blob = json.loads(golden_path(name).read_text())[metric]
     return {int(k): float(v) for k, v in blob["values"].items()}
 
 
-def write_golden(name: str, curve: Dict[int, float]) -> None:
-    steps = sorted(curve)
-    blob = {"lm loss": {"start_step": steps[0], "end_step": steps[-1], "step_interval": 1,
-                        "values": {str(s): curve[s] for s in steps}}}
-    golden_path(name).write_text(json.dumps(blob, indent=2) + "\n")
+def golden_blob(metrics: Dict[str, Dict[int, float]]) -> dict:
+    """Megatron's golden-values layout: per metric its step range and the values by step."""
+    blob = {}
+    for metric in METRICS:
+        values = metrics[metric]
+        steps = sorted(values)
+        blob[metric] = {"start_step": steps[0], "end_step": steps[-1], "step_interval": 1,
+                        "values": {str(s): round(float(values[s]), GOLDEN_DECIMALS) for s in steps}}
+    return blob
+
+
+def write_golden(name: str, curve: Curve) -> None:
+    golden_path(name).write_text(json.dumps(golden_blob(curve.metrics), indent=4) + "\n")
 
 
 def main(argv=None):

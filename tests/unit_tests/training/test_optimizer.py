@@ -196,3 +196,23 @@ def _check_replica_hash():
 
 def test_weight_hash_finds_a_replica_one_ulp_off():
     run_ranks(_check_replica_hash, 2)
+
+
+def _check_step_count_on_an_all_padding_shard():
+    pgs = grid_groups()
+    model = torch.nn.Linear(1, 1, bias=False)  # one element: rank 1's shard is all padding
+    buffer = GradBuffer(list(model.parameters()), pgs.dp_cp, shard=True, overlap=False, bucket_elements=10**8)
+    opt = DistributedAdam(model.named_parameters(), buffer, pgs, OPT_ARGS)
+    assert len(opt.fragments) == 1 - dist.get_rank()
+    assert len(opt.param_groups) == 1  # the group exists on the rank that owns none of it
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.ones(1, 1)).sum().backward()
+        buffer.finish_grad_sync()
+        opt.step()
+    assert opt.adam_steps() == 2  # on both ranks: checkpoints record it from whichever rank writes
+
+
+def test_every_rank_knows_adams_step_count():
+    """A rank whose shard is all padding builds its (empty) groups and counts Adam's steps."""
+    run_ranks(_check_step_count_on_an_all_padding_shard, 2)
