@@ -119,11 +119,11 @@ def save_checkpoint(args, state, pgs) -> str:
     rank_dir = os.path.join(tmp, rank_dir_name(pgs))
     distributed = args.use_distributed_optimizer and not args.no_save_optim
     # collective: every rank's shards, whole on every rank; then the writers go their own way
-    flats = None if args.no_save_optim else state.optimizer.model_space_state()
+    flats = state.optimizer.model_space_state() if distributed else None
     rerun = gathered_states(state.rerun)
     if pgs.index("dp_cp") == 0:  # the model is replicated over dp x cp: one writer per (tp, pp)
         os.makedirs(rank_dir, exist_ok=True)
-        atomic_torch_save(_main_file(args, state, rerun, flats), os.path.join(rank_dir, "model_optim_rng.pt"))
+        atomic_torch_save(_main_file(args, state, rerun), os.path.join(rank_dir, "model_optim_rng.pt"))
         if distributed:
             atomic_torch_save(to_megatron(flats, state.optimizer.buffer.offsets, unwrap(state.model), args,
                                           pgs.index("pp"), pgs.size("dp_cp_intra")),
@@ -152,7 +152,7 @@ def publish_tree(root: str, tmp: str, final: str, tracker: str) -> None:
     _atomic_write_text(os.path.join(root, TRACKER), tracker)
 
 
-def _main_file(args, state, rerun: Optional[list], flats: Optional[dict]) -> dict:
+def _main_file(args, state, rerun: Optional[list]) -> dict:
     obj = {
         "checkpoint_version": CHECKPOINT_VERSION,
         "args": saved_args(args, state),
@@ -162,7 +162,7 @@ def _main_file(args, state, rerun: Optional[list], flats: Optional[dict]) -> dic
         "num_floating_point_operations_so_far": state.flops_so_far,
     }
     if not args.no_save_optim:
-        obj["optimizer"] = _megatron_optimizer(args, state, flats)
+        obj["optimizer"] = _megatron_optimizer(args, state)
     if not args.no_save_rng:  # Megatron's list of per-replica states; the replicas share one here
         obj["rng_state"] = [rng_state_dict()]
     if rerun is not None:
@@ -170,7 +170,7 @@ def _main_file(args, state, rerun: Optional[list], flats: Optional[dict]) -> dic
     return obj
 
 
-def _megatron_optimizer(args, state, flats: dict) -> dict:
+def _megatron_optimizer(args, state) -> dict:
     """model_optim_rng.pt's "optimizer" as Megatron writes it: with the distributed optimizer, the
     param groups without params beside distrib_optim.pt, Adam's step in each; without, the whole
     state (megatron_optim.py). The fp16 loss scaler in both."""
@@ -178,7 +178,7 @@ def _megatron_optimizer(args, state, flats: dict) -> dict:
     if args.use_distributed_optimizer:
         out = {"optimizer": {"param_groups": megatron_param_groups(optimizer.param_groups, args, optimizer.adam_steps())}}
     else:
-        out = to_megatron_plain(flats, optimizer.buffer.offsets, megatron_groups(optimizer, unwrap(state.model), args),
+        out = to_megatron_plain(optimizer.param_state, megatron_groups(optimizer, unwrap(state.model), args),
                                 args, optimizer.adam_steps())
     if optimizer.scaler is not None:  # Megatron's scale is a one-element fp32 tensor
         out["grad_scaler"] = {**optimizer.scaler.state_dict(), "scale": torch.tensor([optimizer.scaler.scale])}

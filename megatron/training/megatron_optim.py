@@ -168,18 +168,22 @@ def _piece(flat: torch.Tensor, offsets: Dict, p) -> torch.Tensor:
     return flat[offsets[p] : offsets[p] + p.numel()].view(p.shape)  # flat [numel] -> p's shape
 
 
-def to_megatron_plain(flats: Dict[str, torch.Tensor], offsets: Dict, ordered, args, steps: int) -> dict:
-    """Megatron's non-distributed optimizer state from this trainer's model-space flats."""
+def to_megatron_plain(source, ordered, args, steps: int) -> dict:
+    """Megatron's non-distributed optimizer state; `source(p, name)` gives parameter p's `name`
+    (DistributedAdam.param_state). Each tensor is copied to the host alone, never the whole
+    model's state at once on the device."""
+    def host(p, name):
+        return source(p, name).detach().to("cpu", copy=True)
+
     groups = megatron_param_groups([g for g, _ in ordered], args, steps)
     state, fp32_copies, index = {}, [], 0
     for group, (_, params) in zip(groups, ordered):
         group["params"] = list(range(index, index + len(params)))
-        fp32_copies.append([_piece(flats["fp32_param"], offsets, p).cpu().clone()
-                            for p in params if p.dtype != torch.float32])
+        fp32_copies.append([host(p, "fp32_param") for p in params if p.dtype != torch.float32])
         for p in params:
             if steps:  # torch's AdamW keeps a per-parameter step (fused Adams keep the group's)
                 state[index] = {"step": torch.tensor(float(steps)),
-                                **{k: _piece(flats[k], offsets, p).cpu().clone() for k in ("exp_avg", "exp_avg_sq")}}
+                                **{name: host(p, name) for name in ("exp_avg", "exp_avg_sq")}}
             index += 1
     torch_state = {"state": state, "param_groups": groups}
     if not (args.bf16 or args.fp16):

@@ -69,6 +69,7 @@ class DistributedAdam:
         self.main_data = buffer.param_data if self.fp32_model else self._main_copy()
         tp_rank = pgs.index("tp")
         self.fragments: List[Fragment] = []
+        self.fragments_of: Dict[torch.nn.Parameter, List[Fragment]] = {}  # this rank's pieces of each
         groups = {key: [] for key in GROUP_ORDER}
         for p, start, end in buffer.param_fragments():
             main = self.main_data[start:end]
@@ -76,6 +77,7 @@ class DistributedAdam:
             # Counted once: tp replicas only on tp rank 0, the tied embedding only on the first stage.
             counted = (getattr(p, "tensor_model_parallel", False) or tp_rank == 0) and not getattr(p, "shared", False)
             self.fragments.append(Fragment(main, counted, start))
+            self.fragments_of.setdefault(p, []).append(self.fragments[-1])
             groups[group_key(names[p], p, args)].append(main)
         # Every group the model has, even one empty in this rank's shard (a rank may own nothing):
         # the groups, their order and the LR schedule are the same on every rank.
@@ -197,6 +199,15 @@ class DistributedAdam:
             self.buffer.gather_flat(flat)
             flats[name] = flat
         return flats
+
+    def param_state(self, p, name: str) -> Optional[torch.Tensor]:
+        """Unsharded only: model parameter p's `name` (one of MODEL_SPACE) in p's shape, read from
+        the live state without a copy of the whole model; None for a moment before the first step."""
+        pieces = [f.main if name == "fp32_param" else self.optimizer.state[f.main].get(name)
+                  for f in self.fragments_of[p]]
+        if any(piece is None for piece in pieces):
+            return None
+        return torch.cat(pieces).view(p.shape)  # its fragments (one per bucket it spans) -> p's shape
 
     def adam_steps(self) -> int:
         """Adam's step count (the same for every parameter; bias correction depends on it)."""

@@ -490,3 +490,21 @@ def test_rng_state_takes_device_streams_only_from_the_same_kind_of_device(monkey
     taken = torch.equal(run_tracker.states["model-parallel-rng"], written_tracker.states["model-parallel-rng"])
     assert taken == device_streams_taken
     assert len(set_calls) == (1 if device_streams_taken and run_on == "cuda" else 0)
+
+
+def test_non_distributed_save_copies_no_whole_model_state(tmp_path, monkeypatch):
+    """Without the distributed optimizer a save reads each parameter's state in place and copies
+    it to the host alone: the three whole-model fp32 buffers of model_space_state (which a
+    sharded state needs, to gather it) would be device memory a tight run does not have."""
+    from megatron.training.optimizer import DistributedAdam
+
+    args, pgs, state = make_state(tmp_path, "--ckpt-format torch")
+    train_one_step(state, args)
+
+    def forbidden(self):
+        raise AssertionError("a whole-model copy of the optimizer state")
+
+    monkeypatch.setattr(DistributedAdam, "model_space_state", forbidden)
+    save_checkpoint(args, state, pgs)
+    saved = torch.load(tmp_path / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
+    assert all(t.device.type == "cpu" for group in saved["optimizer"]["fp32_from_fp16_params"] for t in group)
