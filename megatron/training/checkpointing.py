@@ -176,7 +176,8 @@ def _megatron_optimizer(args, state) -> dict:
     state (megatron_optim.py). The fp16 loss scaler in both."""
     optimizer = state.optimizer
     if args.use_distributed_optimizer:
-        out = {"optimizer": {"param_groups": megatron_param_groups(optimizer.param_groups, args, optimizer.adam_steps())}}
+        groups = megatron_param_groups(optimizer.param_groups, args, optimizer.adam_steps())
+        out = {"optimizer": {"param_groups": groups}}
     else:
         out = to_megatron_plain(optimizer.param_state, megatron_groups(optimizer, unwrap(state.model), args),
                                 args, optimizer.adam_steps())

@@ -213,12 +213,16 @@ class GradBuffer:
         if self.shards == 1:
             return
         for bucket in self.buckets:
-            lo, hi = bucket.shard_range(self.dp_rank, self.shards)
-            mine = flat[lo:hi].clone()  # the output range contains the input range
-            work = dist.all_gather_into_tensor(flat[bucket.start : bucket.end], mine, group=self.dp_group,
-                                               async_op=async_op)
+            work, mine = self.gather_bucket(flat[bucket.start : bucket.end], bucket, async_op)
             if async_op:
                 bucket.gather = (work, mine)  # the input lives until the gather is done
+
+    def gather_bucket(self, piece: torch.Tensor, bucket: Bucket, async_op: bool = False):
+        """In place: this rank's owned slice of `piece` (laid out like `bucket`) to every shard.
+        Returns the work handle and the input, which must live until the gather is done."""
+        lo, hi = bucket.shard_range(self.dp_rank, self.shards)
+        mine = piece[lo - bucket.start : hi - bucket.start].clone()  # the output range contains the input range
+        return dist.all_gather_into_tensor(piece, mine, group=self.dp_group, async_op=async_op), mine
 
     def check_replicas(self, iteration: int) -> None:
         """Collective: every data-parallel replica holds the same weights, bit for bit (a flipped

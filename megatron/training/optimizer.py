@@ -32,7 +32,8 @@ GROUP_ORDER = ((True, False), (False, False), (True, True), (False, True))
 
 def group_key(name: str, param: torch.Tensor, args) -> tuple:
     """The (weight decay, own learning rate) group of a model parameter."""
-    own_lr = getattr(args, "decoupled_lr", None) is not None and getattr(param, "is_embedding_or_output_parameter", False)
+    decoupled = getattr(args, "decoupled_lr", None) is not None
+    own_lr = decoupled and getattr(param, "is_embedding_or_output_parameter", False)
     return not no_weight_decay(name, param), own_lr
 
 
@@ -186,18 +187,22 @@ class DistributedAdam:
     # ---- checkpoint (in model space, see megatron_optim.py) ------------------------------------
     def model_space_state(self) -> Dict[str, torch.Tensor]:
         """Main params and Adam moments of every parameter of this model part, whole on every
-        data-parallel rank, laid out like the flat buffers: the form a checkpoint cuts by model
-        parameter, so that it loads under any tp/pp/dp. Costs three fp32 copies of the model part
-        for the duration of a save."""
-        flats = {}
-        for name in MODEL_SPACE:
-            flat = torch.zeros(self.main_data.numel(), dtype=torch.float32, device=self.main_data.device)
-            for f in self.fragments:
-                source = f.main if name == "fp32_param" else self.optimizer.state[f.main].get(name)
-                if source is not None:  # no moments before the first step
-                    flat[f.start : f.start + f.main.numel()] = source
-            self.buffer.gather_flat(flat)
-            flats[name] = flat
+        data-parallel rank, in host memory, laid out like the flat buffers: the form a checkpoint
+        cuts by model parameter, so that it loads under any tp/pp/dp. Gathered one bucket at a
+        time: the device holds one bucket's copy, not three fp32 copies of the model part."""
+        device = self.main_data.device
+        flats = {name: torch.zeros(self.main_data.numel(), dtype=torch.float32) for name in MODEL_SPACE}
+        for bucket in self.buffer.buckets:
+            inside = [f for f in self.fragments if bucket.start <= f.start < bucket.end]
+            for name in MODEL_SPACE:
+                piece = torch.zeros(bucket.end - bucket.start, dtype=torch.float32, device=device)
+                for f in inside:
+                    source = f.main if name == "fp32_param" else self.optimizer.state[f.main].get(name)
+                    if source is not None:  # no moments before the first step
+                        piece[f.start - bucket.start : f.start - bucket.start + f.main.numel()] = source
+                if self.buffer.shards > 1:
+                    self.buffer.gather_bucket(piece, bucket)
+                flats[name][bucket.start : bucket.end] = piece.cpu()
         return flats
 
     def param_state(self, p, name: str) -> Optional[torch.Tensor]:
@@ -224,5 +229,5 @@ class DistributedAdam:
             if steps:
                 # torch's AdamW keeps the step as a float32 scalar tensor on the host
                 self.optimizer.state[f.main] = {"step": torch.tensor(float(steps), dtype=torch.float32),
-                                                "exp_avg": flats["exp_avg"][piece].clone(),
-                                                "exp_avg_sq": flats["exp_avg_sq"][piece].clone()}
+                                                "exp_avg": flats["exp_avg"][piece].to(f.main.device, copy=True),
+                                                "exp_avg_sq": flats["exp_avg_sq"][piece].to(f.main.device, copy=True)}

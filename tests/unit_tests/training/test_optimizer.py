@@ -126,7 +126,16 @@ def _check_checkpoint_round_trip(shard, dtype):
     rank; checkpointing maps it per parameter to Megatron's layouts)."""
     pgs, model, buffer, opt = _build(shard, True, 50, dtype)
     ddp_training(model, buffer, opt, steps=2)
-    flats, steps = copy.deepcopy(opt.model_space_state()), opt.adam_steps()
+    gathered, real_gather = [], dist.all_gather_into_tensor
+    dist.all_gather_into_tensor = lambda out, *a, **k: gathered.append(out.numel()) or real_gather(out, *a, **k)
+    try:
+        flats, steps = copy.deepcopy(opt.model_space_state()), opt.adam_steps()
+    finally:
+        dist.all_gather_into_tensor = real_gather
+    # in host memory, through the device one bucket at a time
+    assert all(flat.device.type == "cpu" for flat in flats.values())
+    assert len(gathered) == (3 * len(buffer.buckets) if shard else 0)
+    assert max(gathered, default=0) <= max(b.end - b.start for b in buffer.buckets) < buffer.param_data.numel()
     saved_model = copy.deepcopy(model.state_dict())
     ddp_training(model, buffer, opt, steps=2, start=2)
     # A fresh process-like start: new model/buffer/optimizer, then load.
