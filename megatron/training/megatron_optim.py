@@ -97,12 +97,13 @@ def to_megatron(flats: Dict[str, torch.Tensor], offsets: Dict, chunks, args, pp_
 
 
 def from_megatron(saved: dict, buffer, chunks, args, pp_rank: int, dp_size: int) -> dict:
-    """Model-space flats (laid out like this trainer's `buffer`, on its device) from distrib_optim.pt."""
-    offsets, numel, device = buffer.offsets, buffer.param_data.numel(), buffer.param_data.device
+    """Model-space flats (laid out like this trainer's `buffer`, in host memory: the optimizer
+    takes its pieces to the device) from distrib_optim.pt."""
+    offsets, numel = buffer.offsets, buffer.param_data.numel()
     if not saved.get("buckets_coalesced"):
         raise ValueError("distrib_optim.pt predates Megatron's coalesced layout (2024-02); "
                          "load with --no-load-optim")
-    flats = {ours: torch.zeros(numel, dtype=torch.float32, device=device) for ours in STATES.values()}
+    flats = {ours: torch.zeros(numel, dtype=torch.float32) for ours in STATES.values()}
     for i, params, (ranges, expected) in _chunk_ranges(chunks, args, pp_rank, dp_size):
         (world,) = saved[i].values()  # one buffer per chunk (one dtype)
         if world["numel_unpadded"] != expected:
@@ -200,7 +201,7 @@ def from_megatron_plain(saved: dict, buffer, ordered) -> Tuple[Dict[str, torch.T
     if [len(g["params"]) for g in groups] != [len(params) for _, params in ordered]:
         raise ValueError(f"the checkpoint's optimizer groups hold {[len(g['params']) for g in groups]} parameters, "
                          f"this model's {[len(params) for _, params in ordered]}: another model or --decoupled-lr")
-    flats = {name: torch.zeros_like(buffer.param_data, dtype=torch.float32) for name in STATES.values()}
+    flats = {name: torch.zeros(buffer.param_data.numel(), dtype=torch.float32) for name in STATES.values()}  # host
     copies = saved.get("fp32_from_fp16_params", [[] for _ in groups])
     for group, copied, (_, params) in zip(groups, copies, ordered):
         copied = iter(copied)

@@ -508,3 +508,14 @@ def test_non_distributed_save_copies_no_whole_model_state(tmp_path, monkeypatch)
     save_checkpoint(args, state, pgs)
     saved = torch.load(tmp_path / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
     assert all(t.device.type == "cpu" for group in saved["optimizer"]["fp32_from_fp16_params"] for t in group)
+
+
+def test_non_distributed_state_of_other_groups_is_one_line(tmp_path):
+    """--decoupled-lr moves the embedding into a group of its own: the saved groups no longer hold
+    this run's parameters, which is said before anything is loaded into the optimizer."""
+    args, pgs, state = make_state(tmp_path, "--ckpt-format torch")
+    train_one_step(state, args)
+    save_checkpoint(args, state, pgs)
+    other, _, fresh = make_state(tmp_path, "--ckpt-format torch --decoupled-lr 1e-2")
+    with pytest.raises(ValueError, match=r"optimizer groups hold \[\d+, \d+\] parameters, this model's .*--decoupled-lr"):
+        load_checkpoint(other, fresh, pgs)
