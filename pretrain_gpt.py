@@ -20,7 +20,8 @@ from megatron.longseq.attention.core import AttentionInputs  # noqa: E402
 from megatron.longseq.attention.placement import DOCUMENT_STARTS  # noqa: E402
 from megatron.training.data import build_datasets, to_device  # noqa: E402
 from megatron.training.model import build_model_chunks  # noqa: E402
-from megatron.training.training import pretrain, run_main  # noqa: E402
+from megatron.training.bad_input import run_main  # noqa: E402
+from megatron.training.training import pretrain  # noqa: E402
 
 
 def model_provider(args, pgs, device):

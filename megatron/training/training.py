@@ -18,7 +18,6 @@ import torch.distributed as dist
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.utils import get_model_config
 from megatron.longseq.collectives import all_gather_values
-from megatron.longseq.memo.alpha import HostMemoryError
 from megatron.longseq.attention.kernels import KernelEnv, choose_kernel
 from megatron.longseq.attention.ledger import LEDGER
 from megatron.longseq.pipeline.p2p import connect_links
@@ -64,30 +63,6 @@ def parse_and_validate(argv=None, extra_args_provider=None):
     """Every bad flag of the command line, from parsing and from validation, in one ArgsError line."""
     args, errors = parse(argv, extra_args_provider)
     return validate_args(args, world_size_from_env(), errors)
-
-
-def run_main(main) -> None:
-    """Run `main`; a bad command line (or a MEMO plan over the host budget) is one line on stderr
-    and exit status 2."""
-    try:
-        main()
-    except (ArgsError, HostMemoryError) as err:
-        if _is_first_process():
-            print(f"pretrain_gpt.py: error: {err}", file=sys.stderr, flush=True)
-        else:
-            # Every rank raises the same error (validation is the same everywhere; a MEMO budget
-            # error is agreed across ranks). If another rank exited first, torchrun would tear down
-            # rank 0 before it printed the line; so the others wait for that teardown, bounded
-            # for launchers (srun) that let each task run out.
-            time.sleep(REPORT_GRACE_S)
-        sys.exit(2)
-
-
-REPORT_GRACE_S = 30.0
-
-
-def _is_first_process() -> bool:
-    return os.environ.get("RANK", "0") == "0" and os.environ.get("SLURM_PROCID", "0") == "0"
 
 
 def _print_args(args) -> None:

@@ -230,17 +230,17 @@ def test_passkey_depth_is_a_fraction():
 def test_bad_input_is_printed_by_rank_0_while_the_others_wait(monkeypatch, capsys, rank, printed, waited):
     """Only rank 0 prints the line; the others hold off their exit so that a launcher tearing the
     job down on the first failure cannot kill rank 0 before it printed."""
-    from megatron.training import training
+    from megatron.training import bad_input
 
     slept = []
     monkeypatch.setenv("RANK", rank)
-    monkeypatch.setattr(training.time, "sleep", slept.append)
+    monkeypatch.setattr(bad_input.time, "sleep", slept.append)
 
     def main():
         raise ArgsError("--lr is required")
 
     with pytest.raises(SystemExit) as info:
-        training.run_main(main)
+        bad_input.run_main(main)
     assert info.value.code == 2
     assert (capsys.readouterr().err == "pretrain_gpt.py: error: --lr is required\n") == printed
-    assert slept == ([training.REPORT_GRACE_S] if waited else [])
+    assert slept == ([bad_input.REPORT_GRACE_S] if waited else [])

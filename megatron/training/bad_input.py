@@ -1,0 +1,34 @@
+"""A bad command line (or a MEMO plan over the host budget) ends the run as one line on stderr,
+printed once however many ranks the launcher started."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from megatron.longseq.memo.alpha import HostMemoryError
+from megatron.training.arguments import ArgsError
+
+
+def run_main(main) -> None:
+    """Run `main`; a bad command line (or a MEMO plan over the host budget) is one line on stderr
+    and exit status 2."""
+    try:
+        main()
+    except (ArgsError, HostMemoryError) as err:
+        if _is_first_process():
+            print(f"pretrain_gpt.py: error: {err}", file=sys.stderr, flush=True)
+        else:
+            # Every rank raises the same error (validation is the same everywhere; a MEMO budget
+            # error is agreed across ranks). If another rank exited first, torchrun would tear down
+            # rank 0 before it printed the line; so the others wait for that teardown, bounded
+            # for launchers (srun) that let each task run out.
+            time.sleep(REPORT_GRACE_S)
+        sys.exit(2)
+
+
+REPORT_GRACE_S = 30.0
+
+
+def _is_first_process() -> bool:
+    return os.environ.get("RANK", "0") == "0" and os.environ.get("SLURM_PROCID", "0") == "0"
