@@ -212,7 +212,8 @@ class DistributedAdam:
                   for f in self.fragments_of[p]]
         if any(piece is None for piece in pieces):
             return None
-        return torch.cat(pieces).view(p.shape)  # its fragments (one per bucket it spans) -> p's shape
+        whole = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # one fragment per bucket it spans
+        return whole.view(p.shape)  # flat [numel] -> p's shape
 
     def adam_steps(self) -> int:
         """Adam's step count (the same for every parameter; bias correction depends on it)."""
