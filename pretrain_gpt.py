@@ -17,7 +17,7 @@ import torch  # noqa: E402
 import megatron.longseq  # noqa: E402,F401  (first: it quiets megatron-core's import-time fallback warnings)
 from megatron.core import parallel_state as mpu  # noqa: E402
 from megatron.longseq.attention.core import AttentionInputs  # noqa: E402
-from megatron.longseq.attention.placement import DOCUMENT_STARTS  # noqa: E402
+from megatron.longseq.attention.placement import DOCUMENT_STARTS, SEGMENT_LENGTHS  # noqa: E402
 from megatron.training.data import build_datasets, to_device  # noqa: E402
 from megatron.training.model import build_model_chunks  # noqa: E402
 from megatron.training.bad_input import run_main  # noqa: E402
@@ -35,8 +35,10 @@ def get_batch(data_iterator, device):
     batch = next(data_iterator)
     segment = batch.pop("segment", None)
     starts = batch.pop(DOCUMENT_STARTS, None)  # read on the host: which tokens meet which
+    lengths = batch.pop(SEGMENT_LENGTHS, None)  # the segments these documents chose (None: the run's)
     batch = to_device(batch, device)
-    inputs = AttentionInputs(position_ids=batch["position_ids"], segment=segment, document_starts=starts)
+    inputs = AttentionInputs(position_ids=batch["position_ids"], segment=segment, document_starts=starts,
+                             segment_lengths=None if lengths is None else lengths.tolist())
     return batch["tokens"], batch["labels"], batch["loss_mask"], batch["position_ids"], inputs
 
 

@@ -143,7 +143,9 @@ def _parallel(p):
     g.add_argument("--pipe-sp-splits", type=int, default=1,
                    help="Seq1F1B: sequence segments per micro-batch (1 = 1F1B)")
     g.add_argument("--pipe-sp-strategy", choices=["average", "uniform_comp"], default="average",
-                   help="Seq1F1B segment lengths: equal, or equal FLOPs (Seq1F1B Eq. 7-8)")
+                   help="Seq1F1B segment lengths: equal, or equal FLOPs (Seq1F1B Eq. 7-8); with "
+                        "--reset-attention-mask uniform_comp cuts each micro-batch by its packed documents' "
+                        "FLOPs, no segment longer than the one-document partition's longest")
     g.add_argument("--context-parallel-size", type=int, default=1)
     g.add_argument("--cp-comm-type", nargs="+", choices=["p2p", "a2a", "a2a+p2p"], default=["p2p"],
                    help="p2p: ring attention; a2a: Ulysses; a2a+p2p: 2D attention (one value: all layers)")

@@ -6,7 +6,8 @@ from `consumed_samples` continues the stream exactly where it stopped.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterator, Optional
+from functools import partial
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 
@@ -14,7 +15,9 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.utils import get_blend_from_list
 from megatron.longseq.attention.placement import RankTokens, TokenPlacement
+from megatron.longseq.pipeline.partition import document_partition
 from megatron.training.passkey import build_passkey_datasets
+from megatron.training.validate import num_parameters
 
 
 def train_valid_test_num_samples(args):
@@ -72,15 +75,18 @@ def build_loader(dataset, consumed_samples: int, args, pgs, eod: Optional[int] =
     finds the packed documents under --reset-attention-mask."""
     if dataset is None or len(dataset) == 0:
         return None
+    collate = None
     if pgs.size("cp") > 1 or args.reset_attention_mask:  # this rank's tokens, in its attention mode's order
-        dataset = RankTokens(dataset, token_placement(args, pgs), eod if args.reset_attention_mask else None)
+        dataset = RankTokens(dataset, token_placement(args, pgs), eod if args.reset_attention_mask else None,
+                             segment_partitioner(args))
+        collate = dataset.collate
     dp_rank, dp_size = pgs.index("dp"), pgs.size("dp")
     sampler = PretrainingSampler(len(dataset), consumed_samples, args.micro_batch_size, dp_rank, dp_size)
     # The loader draws its workers' base seed when an iterator is made; from its own generator,
     # so the training streams (dropout) are the same whether or not the run was resumed.
     generator = torch.Generator().manual_seed(args.seed)
     loader = torch.utils.data.DataLoader(
-        dataset, batch_sampler=sampler, num_workers=args.num_workers, generator=generator,
+        dataset, batch_sampler=sampler, num_workers=args.num_workers, generator=generator, collate_fn=collate,
         pin_memory=args.device_type == "cuda", persistent_workers=args.num_workers > 0,
     )
     return iter(loader)
@@ -88,6 +94,16 @@ def build_loader(dataset, consumed_samples: int, args, pgs, eod: Optional[int] =
 
 def token_placement(args, pgs) -> TokenPlacement:
     return TokenPlacement(args.segment_lengths, pgs.size("hp"), pgs.size("ring"), pgs.index("hp"), pgs.index("ring"))
+
+
+def segment_partitioner(args) -> Optional[Callable[[torch.Tensor], List[int]]]:
+    """Packed documents cut into uniform_comp segments: each micro-batch's own, by its documents'
+    FLOPs (partition.document_partition), none longer than the static partition's longest."""
+    if not (args.reset_attention_mask and args.pipe_sp_splits > 1 and args.pipe_sp_strategy == "uniform_comp"):
+        return None
+    return partial(document_partition, k=args.pipe_sp_splits, num_params=num_parameters(args),
+                   num_layers=args.num_layers, hidden=args.hidden_size, granularity=args.segment_granularity,
+                   max_length=max(args.segment_lengths))
 
 
 def random_batches(args, pgs, seed: int) -> Iterator[Dict[str, torch.Tensor]]:

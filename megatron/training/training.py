@@ -119,7 +119,7 @@ def build_pipeline(args, pgs) -> Pipeline:
     pipeline = Pipeline(size=pgs.size("pp"), rank=pgs.index("pp"), chunks=args.virtual_pipeline_chunks,
                         segment_tokens=[n // div for n in args.segment_lengths], hidden=args.hidden_size,
                         links=pgs.links, members=pgs.members["pp"], group=args.pipeline_group_units,
-                        measure_activations=args.timing_log_level >= 1)
+                        measure_activations=args.timing_log_level >= 1, token_divisor=div)
     connect_links(pgs.links, dist.get_rank(), device_of(args))
     return pipeline
 

@@ -244,6 +244,7 @@ def _pipeline_args(args):
     granularity = 2 * args.context_parallel_size if args.context_parallel_size > 1 else 1
     if args.sequence_parallel:
         granularity *= args.tensor_model_parallel_size
+    args.segment_granularity = granularity
     try:
         args.segment_lengths = partition.partition(args.seq_length, k, args.pipe_sp_strategy, granularity,
                                                    num_parameters(args), L, args.hidden_size)

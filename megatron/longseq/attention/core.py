@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
@@ -45,6 +45,7 @@ class AttentionInputs(PackedSeqParams):
     segment: Optional[SegmentSlot] = None  # Seq1F1B: which segment of which micro-batch this is
     rope_cache: dict = field(default_factory=dict)  # RoPE cos/sin of these positions, for every layer
     document_starts: Optional[torch.Tensor] = None  # [b, S] packed documents of the whole samples
+    segment_lengths: Optional[List[int]] = None  # the Seq1F1B segments they chose (None: the run's)
     _documents: Optional[DocumentLayout] = None  # built from them by the first layer, for all
 
     def __post_init__(self):
@@ -54,7 +55,8 @@ class AttentionInputs(PackedSeqParams):
     def documents(self, cp: ContextParallel) -> Optional[DocumentLayout]:
         """The micro-batch's packed documents as the ring sees them (None: causal attention)."""
         if self.document_starts is not None and self._documents is None:
-            self._documents = DocumentLayout(self.document_starts, cp.ring.size, cp.segment_lengths)
+            lengths = self.segment_lengths if self.segment_lengths is not None else cp.segment_lengths
+            self._documents = DocumentLayout(self.document_starts, cp.ring.size, lengths)
         return self._documents
 
 

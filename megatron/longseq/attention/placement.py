@@ -13,7 +13,7 @@ placed document by document instead (documents.py), same counts per rank.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -21,6 +21,7 @@ from megatron.longseq.attention.documents import (Piece, balanced_ring_tokens, b
                                                    document_starts)
 
 DOCUMENT_STARTS = "document_starts"  # the batch key of the whole samples' document starts [b, S]
+SEGMENT_LENGTHS = "segment_lengths"  # the batch key of its Seq1F1B segments [k], when documents choose them
 
 
 def ring_chunks(seq_len: int, ring: int, ring_index: int) -> torch.Tensor:
@@ -83,10 +84,17 @@ class RankTokens(torch.utils.data.Dataset):
 
     With packed documents (`eod` given: --reset-attention-mask) the sample also carries its
     document starts [S], whole: they choose this rank's tokens here, and the attention derives
-    every other rank's from them. No dense [S, S] mask is ever made."""
+    every other rank's from them. No dense [S, S] mask is ever made.
 
-    def __init__(self, dataset, placement: TokenPlacement, eod: Optional[int] = None):
-        self.dataset, self.placement, self.eod = dataset, placement, eod
+    `partitioner` ([b, S] starts -> segment lengths): the micro-batch's documents choose its
+    Seq1F1B segments (partition.document_partition), so its samples are placed together, in
+    `collate` (the loader's collate_fn), and the batch carries the lengths [k] (SEGMENT_LENGTHS)."""
+
+    def __init__(self, dataset, placement: TokenPlacement, eod: Optional[int] = None,
+                 partitioner: Optional[Callable[[torch.Tensor], List[int]]] = None):
+        if partitioner is not None and eod is None:
+            raise ValueError("a per-micro-batch partition needs packed documents (eod)")
+        self.dataset, self.placement, self.eod, self.partitioner = dataset, placement, eod, partitioner
         self.fixed = placement.indices() if eod is None else None
 
     def __len__(self):
@@ -99,8 +107,23 @@ class RankTokens(torch.utils.data.Dataset):
         if self.eod is None:
             return {key: value[self.fixed] for key, value in sample.items()}
         starts = document_starts(sample["tokens"], self.eod)
+        if self.partitioner is not None:  # placed with the rest of its micro-batch, in collate
+            return {**sample, DOCUMENT_STARTS: starts}
         idx = self.placement.indices(starts)
         return {**{key: value[idx] for key, value in sample.items()}, DOCUMENT_STARTS: starts}
+
+    def collate(self, samples: List[dict]) -> dict:
+        """The loader's batch; with a partitioner, each sample reduced to this rank's tokens of the
+        segments its micro-batch's documents choose."""
+        batch = torch.utils.data.default_collate(samples)
+        if self.partitioner is None:
+            return batch
+        starts = batch.pop(DOCUMENT_STARTS)  # [b, S]
+        lengths = self.partitioner(starts)
+        placement = replace(self.placement, lengths=tuple(lengths))
+        idx = torch.stack([placement.indices(s) for s in starts])  # [b, S / cp]
+        return {**{key: value.gather(1, idx) for key, value in batch.items()},
+                DOCUMENT_STARTS: starts, SEGMENT_LENGTHS: torch.tensor(lengths)}
 
 
 class DocumentLayout:

@@ -7,11 +7,24 @@ For a target cost T each n_i solves 2 L d n^2 + (2 P + 2 L d c_{i-1}) n - T = 0 
 it); T is found by bisection so the lengths add up to the sequence. Lengths are then rounded at
 the segment boundaries to multiples of `granularity` (2 x context-parallel size, and the tensor-
 parallel size under sequence parallelism), each segment keeping at least one granule.
+
+Packed documents (--reset-attention-mask) change the attention term: a query sees only its own
+document, so a segment's cost depends on where the micro-batch's documents lie, and the partition
+is made per micro-batch (`document_partition`). Eq. 8 with each token's keys limited to its own
+document -- the keys of its document before the segment's end -- gives the cost of segment [a, b)
+    2 (b - a) P + 2 L d  sum_{t in [a, b)} (min(end(t), b) - start(t))
+(start/end: t's document; one document is Eq. 8 itself). It grows with b and shrinks with a, so
+greedy segments under a cost bound reach furthest and a bisection on the bound finds the partition
+whose costliest segment is cheapest (over boundaries on granules). No segment is longer than
+`max_length` (the static partition's longest): activation memory per segment stays what the
+static partition plans for (buffers, MEMO's profile), whatever the documents.
 """
 from __future__ import annotations
 
 import math
-from typing import List
+from typing import List, Optional
+
+import torch
 
 STRATEGIES = ("average", "uniform_comp")
 
@@ -80,6 +93,66 @@ def segment_flops(lengths: List[int], num_params: int, num_layers: int, hidden: 
         out.append(2.0 * n * num_params + 2.0 * num_layers * n * (before + n) * hidden)
         before += n
     return out
+
+
+class DocumentCost:
+    """Eq. 8 within documents for one micro-batch's document starts [b, S] (summed over its
+    samples), any segment's cost in O(b) from prefix sums."""
+
+    def __init__(self, starts: torch.Tensor, num_params: int, num_layers: int, hidden: int):
+        b, S = starts.shape
+        index = torch.arange(S).expand(b, S)
+        first = torch.where(starts, index, torch.zeros_like(index)).cummax(1).values  # [b, S] start(t)
+        # end(t): the next document's start, S for the last (reversed running minimum of starts)
+        nxt = torch.where(starts, index, torch.full_like(index, S))
+        end = torch.cat([nxt[:, 1:], torch.full((b, 1), S)], 1).flip(1).cummin(1).values.flip(1)
+        zero = torch.zeros(b, 1, dtype=torch.long)
+        self.first = first.tolist()
+        self.sum_first = torch.cat([zero, first.cumsum(1)], 1).tolist()  # [b, S + 1]
+        self.sum_end = torch.cat([zero, end.cumsum(1)], 1).tolist()
+        self.samples, self.length = b, S
+        self.dense, self.attn = 2.0 * num_params, 2.0 * num_layers * hidden
+
+    def __call__(self, a: int, b: int) -> float:
+        """The cost of segment [a, b): each query's keys are its document's before b."""
+        pairs = 0
+        for first, sum_first, sum_end in zip(self.first, self.sum_first, self.sum_end):
+            m = max(a, first[b - 1])  # tokens from m on share b-1's document: their keys end at b
+            pairs += sum_end[m] - sum_end[a] + b * (b - m) - (sum_first[b] - sum_first[a])
+        return self.dense * (b - a) * self.samples + self.attn * pairs
+
+
+def _greedy(cost: DocumentCost, k: int, granularity: int, cap: int, bound: float) -> Optional[List[int]]:
+    """Boundaries (in granules) of k segments each as long as `bound` allows, or None when they
+    do not reach the end. Each keeps one granule and leaves one to every later segment."""
+    granules, bounds = cost.length // granularity, [0]
+    for i in range(k):
+        a = bounds[-1]
+        lo, hi = a + 1, min(granules - (k - 1 - i), a + cap)  # the furthest end within the bound
+        if cost(a * granularity, lo * granularity) > bound:
+            return None
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if cost(a * granularity, mid * granularity) <= bound else (lo, mid - 1)
+        bounds.append(lo)
+    return bounds if bounds[-1] == granules else None
+
+
+def document_partition(starts: torch.Tensor, k: int, num_params: int, num_layers: int, hidden: int,
+                       granularity: int = 1, max_length: Optional[int] = None) -> List[int]:
+    """Segment lengths for the micro-batch whose document starts are [b, S]: the costliest segment
+    as cheap as boundaries on granules allow, none longer than max_length."""
+    granules = _check(starts.shape[1], k, granularity)
+    cap = granules if max_length is None else max_length // granularity
+    if cap * k < granules:
+        raise PartitionError(f"{k} segments of at most {max_length} tokens cannot hold {starts.shape[1]}")
+    cost = DocumentCost(starts, num_params, num_layers, hidden)
+    lo, hi = 0.0, cost(0, starts.shape[1])  # hi is feasible: every segment costs at most the whole
+    while hi - lo > 1e-9 * hi:  # hi stays feasible: it ends within a billionth of the optimum
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if _greedy(cost, k, granularity, cap, mid) else (mid, hi)
+    bounds = _greedy(cost, k, granularity, cap, hi)
+    return [(b - a) * granularity for a, b in zip(bounds, bounds[1:])]
 
 
 def partition(seq_length: int, k: int, strategy: str, granularity: int = 1, num_params: int = 0,

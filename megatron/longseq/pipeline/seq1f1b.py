@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.utils import get_model_config
-from megatron.longseq.attention.placement import DOCUMENT_STARTS
+from megatron.longseq.attention.placement import DOCUMENT_STARTS, SEGMENT_LENGTHS
 from megatron.longseq.attention.segments import SegmentSlot, SegmentState
 from megatron.longseq.pipeline.p2p import Inbox, Outbox, sent_messages
 from megatron.longseq.pipeline.plan import Op, rank_schedule
@@ -43,10 +43,19 @@ class Pipeline:
     # torch.compile guards on it), only when the log reports them (--timing-log-level >= 1).
     measure_activations: bool = False
     stats: dict = field(default_factory=dict)
+    # whole-sequence tokens per rank token (cp x tp under SP): a micro-batch whose packed documents
+    # chose its own segments (SEGMENT_LENGTHS) is cut by them
+    token_divisor: int = 1
 
     @property
     def splits(self) -> int:
         return len(self.segment_tokens)
+
+    def tokens_of(self, batch: dict) -> List[int]:
+        """This rank's tokens of each segment of the micro-batch."""
+        if SEGMENT_LENGTHS not in batch:
+            return self.segment_tokens
+        return [n // self.token_divisor for n in batch[SEGMENT_LENGTHS].tolist()]
 
 
 class _ActivationMeter:
@@ -102,6 +111,8 @@ class _Runner:
         self.p, self.v, self.k = pipe.size, pipe.chunks, pipe.splits
         self.last_vs = self.p * self.v - 1
         self.segments: Dict[int, List[dict]] = {}
+        self.tokens: Dict[int, List[int]] = {}  # this rank's tokens of each segment, per micro-batch
+        self.read = 0  # micro-batches read so far
         self.states: Dict[int, SegmentState] = {}
         self.stored: Dict[tuple, tuple] = {}
         self.losses: Dict[int, Dict[int, tuple]] = {}
@@ -138,20 +149,29 @@ class _Runner:
 
     def _shape(self, key):
         """[segment tokens, micro-batch, hidden]: activations and their gradients alike."""
-        return (self.pipe.segment_tokens[key[2]], self.mbs, self.pipe.hidden)
+        _, m, s = key
+        self._read_through(m)  # a receive posted ahead may come before the micro-batch's forward
+        return (self.tokens[m][s], self.mbs, self.pipe.hidden)
 
     # ---- data -----------------------------------------------------------------------------------
-    def _segment(self, m: int, s: int) -> dict:
-        if m not in self.segments:  # micro-batches arrive in order on every rank
+    def _read_through(self, m: int) -> None:
+        """Read micro-batches up to m (they arrive in order on every rank) and cut each into its
+        segments: [b, s] -> k x [b, n_s] along the sequence (per-token tensors; the whole
+        samples' document starts and the segment lengths go to every segment as they are)."""
+        while self.read <= m:
             batch = next(self.data)
+            tokens = self.pipe.tokens_of(batch)
             bounds = [0]
-            for n in self.pipe.segment_tokens:
+            for n in tokens:
                 bounds.append(bounds[-1] + n)
-            # [b, s] -> k x [b, n_s] (per-token tensors along the sequence; the whole samples'
-            # document starts go to every segment as they are)
-            self.segments[m] = [{key: val if key == DOCUMENT_STARTS else val[:, a:b].contiguous()
-                                 for key, val in batch.items()} for a, b in zip(bounds, bounds[1:])]
-            self.states[m] = SegmentState()
+            whole = (DOCUMENT_STARTS, SEGMENT_LENGTHS)
+            self.segments[self.read] = [{key: val if key in whole else val[:, a:b].contiguous()
+                                         for key, val in batch.items()} for a, b in zip(bounds, bounds[1:])]
+            self.tokens[self.read], self.states[self.read] = tokens, SegmentState()
+            self.read += 1
+
+    def _segment(self, m: int, s: int) -> dict:
+        self._read_through(m)
         seg = dict(self.segments[m][s])
         if self.k > 1:
             seg["segment"] = SegmentSlot(self.states[m], s)
@@ -211,6 +231,7 @@ class _Runner:
 
     def finish_microbatch(self, m: int) -> None:
         self.segments.pop(m, None)
+        self.tokens.pop(m, None)
         state = self.states.pop(m, None)
         if state is not None:
             state.release()

@@ -1,7 +1,12 @@
-"""Segment partitions (Seq1F1B section 3.5)."""
-import pytest
+"""Segment partitions (Seq1F1B section 3.5), and per micro-batch for packed documents."""
+import itertools
 
-from megatron.longseq.pipeline.partition import PartitionError, average, partition, segment_flops, uniform_comp
+import pytest
+import torch
+
+from megatron.longseq.attention.documents import lognormal_starts
+from megatron.longseq.pipeline.partition import (DocumentCost, PartitionError, average, document_partition, partition,
+                                                 segment_flops, uniform_comp)
 
 LLAMA_7B = dict(num_params=6_700_000_000, num_layers=32, hidden=4096)
 
@@ -40,3 +45,80 @@ def test_long_sequences_shift_tokens_towards_early_segments():
 def test_bad_partitions(args, message):
     with pytest.raises(PartitionError, match=message):
         partition(*args)
+
+
+# ---- packed documents: each micro-batch's own partition -------------------------------------------
+
+def _direct_cost(starts, a, b, num_params, num_layers, hidden):
+    """Eq. 8 within documents by counting: every query of [a, b) sees its document's keys before b."""
+    ids = starts.long().cumsum(-1)
+    pairs = sum(int((ids[s, :b] == ids[s, t]).sum()) for s in range(starts.shape[0]) for t in range(a, b))
+    return 2.0 * num_params * (b - a) * starts.shape[0] + 2.0 * num_layers * hidden * pairs
+
+
+def _random_starts(g, b, s, p):
+    starts = torch.rand(b, s, generator=g) < p
+    starts[:, 0] = True
+    return starts
+
+
+def _costs(cost, lengths):
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    return [cost(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def test_document_cost_is_eq8_within_documents():
+    g = torch.Generator().manual_seed(0)
+    starts = _random_starts(g, 2, 40, 0.15)
+    cost = DocumentCost(starts, 30, 2, 3)
+    for a, b in [(0, 40), (5, 17), (10, 11), (0, 1), (39, 40)]:
+        assert cost(a, b) == pytest.approx(_direct_cost(starts, a, b, 30, 2, 3), rel=1e-12)
+    one = torch.zeros(1, 4096, dtype=torch.bool)
+    one[0, 0] = True  # one document: Eq. 8 itself
+    lengths = uniform_comp(4096, 4, **LLAMA_7B)
+    assert _costs(DocumentCost(one, **LLAMA_7B), lengths) == pytest.approx(segment_flops(lengths, **LLAMA_7B), rel=1e-12)
+
+
+@pytest.mark.parametrize("trial", range(12))
+def test_document_partition_is_the_cheapest_costliest_segment(trial):
+    """Against every partition on granules (brute force): none has a cheaper costliest segment."""
+    g = torch.Generator().manual_seed(trial)
+    gran, k, seq = (1, 2, 4)[trial % 3], 2 + trial % 3, 48
+    starts = _random_starts(g, 2, seq, 0.15)
+    params = int(torch.randint(1, 60, (1,), generator=g))
+    cost = DocumentCost(starts, params, 2, 3)
+    cap = None if trial % 2 else seq // 2
+    lengths = document_partition(starts, k, params, 2, 3, gran, cap)
+    assert sum(lengths) == seq and all(n > 0 and n % gran == 0 and (cap is None or n <= cap) for n in lengths)
+    best = min(max(_costs(cost, [(b - a) * gran for a, b in zip((0, *cuts), (*cuts, seq // gran))]))
+               for cuts in itertools.combinations(range(1, seq // gran), k - 1)
+               if cap is None or all((b - a) * gran <= cap for a, b in zip((0, *cuts), (*cuts, seq // gran))))
+    assert max(_costs(cost, lengths)) == pytest.approx(best, rel=1e-8)
+
+
+def test_one_document_is_uniform_comp():
+    one = torch.zeros(1, 131072, dtype=torch.bool)
+    one[0, 0] = True
+    assert document_partition(one, 4, granularity=8, **LLAMA_7B) == uniform_comp(131072, 4, granularity=8, **LLAMA_7B)
+
+
+def test_packed_documents_get_segments_of_equal_cost():
+    """128K samples of log-normal documents (mean 4K): the static uniform_comp, made for one
+    document, puts 1.41x the mean cost in its costliest segment (measured, 2026-11-23); each
+    micro-batch's own partition is even to within a granule's cost, and within the static longest."""
+    g = torch.Generator().manual_seed(0)
+    starts = lognormal_starts(131072, 4096.0, 1.0, g)[None]
+    cost = DocumentCost(starts, **LLAMA_7B)
+    static = uniform_comp(131072, 4, granularity=8, **LLAMA_7B)
+    ours = document_partition(starts, 4, granularity=8, max_length=max(static), **LLAMA_7B)
+    spread = [max(c) * len(c) / sum(c) for c in (_costs(cost, static), _costs(cost, ours))]
+    assert spread[0] > 1.3 and spread[1] < 1.001
+    assert max(ours) <= max(static)
+
+
+def test_the_cap_must_leave_room_for_the_sequence():
+    starts = torch.ones(1, 64, dtype=torch.bool)
+    with pytest.raises(PartitionError, match="2 segments of at most 16 tokens cannot hold 64"):
+        document_partition(starts, 2, 1, 1, 1, max_length=16)

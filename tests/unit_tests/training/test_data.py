@@ -146,3 +146,48 @@ def test_passkey_depth_one_puts_the_key_anywhere_before_the_query():
     assert quarter.key_positions() == seq // 4  # the default draws what it always drew
     with pytest.raises(ValueError, match=r"passkey depth must be in \(0, 1\], got 0"):
         PasskeyDataset(5, seq, 100, n, depth=0)
+
+
+class _Packed(torch.utils.data.Dataset):
+    """Samples of 512 tokens packed with documents of random lengths (EOD = 0 closes each)."""
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        tokens = torch.randint(1, 100, (512,), generator=g)
+        tokens[torch.rand(512, generator=g) < 1 / 80] = 0
+        return {"tokens": tokens, "labels": tokens.roll(-1), "loss_mask": torch.ones(512),
+                "position_ids": torch.arange(512)}
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_packed_micro_batches_choose_their_own_segments(workers):
+    """uniform_comp with packed documents: the loader partitions each micro-batch by its documents
+    (in its workers too) and places every sample by those segments, as the attention expects."""
+    from megatron.longseq.attention.placement import SEGMENT_LENGTHS
+    from megatron.training.data import build_loader, segment_partitioner
+    from tests.unit_tests.model_utils import tiny_args
+
+    args = tiny_args("--seq-length 512 --max-position-embeddings 512 --reset-attention-mask --pipe-sp-splits 2 "
+                     f"--pipe-sp-strategy uniform_comp --context-parallel-size 2 --num-workers {workers}", world_size=2)
+    cap = max(args.segment_lengths)  # the static partition's longest, made for one document
+    assert cap > 256
+    partitioner = segment_partitioner(args)
+    seen = set()
+    for ring_index in range(2):
+        pgs = SimpleNamespace(size=lambda axis: {"cp": 2, "ring": 2, "hp": 1, "dp": 1}[axis],
+                              index=lambda axis: {"ring": ring_index}.get(axis, 0))
+        loader = build_loader(_Packed(), 0, args, pgs, eod=0)
+        for m, batch in enumerate(loader):
+            lengths = batch[SEGMENT_LENGTHS].tolist()
+            starts = batch[DOCUMENT_STARTS]
+            assert lengths == partitioner(starts) and max(lengths) <= cap
+            seen.add(tuple(lengths))
+            for b in range(2):
+                sample = _Packed()[2 * m + b]
+                want = segmented_token_indices(lengths, 1, 2, 0, ring_index, starts[b])
+                assert torch.equal(batch["tokens"][b], sample["tokens"][want])
+                assert torch.equal(batch["position_ids"][b], want)
+    assert len(seen) > 1  # the documents did move the segments
