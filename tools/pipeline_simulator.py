@@ -4,6 +4,8 @@
     python tools/pipeline_simulator.py --pipeline-size 4 --micro-batches 8 --splits 4 --png seq1f1b.png
     # the paper's Table 1 configurations: bubble ratios of 1F1B, 1F1B-I, Seq1F1B and Seq1F1B-I
     python tools/pipeline_simulator.py --paper-table
+    # packed documents: static uniform_comp segments vs each micro-batch's own
+    python tools/pipeline_simulator.py --documents 4096 --seq-length 131072
     # a timeline recorded by pretrain_gpt.py --pipeline-timeline DIR (one file per rank)
     python tools/pipeline_simulator.py --from-run DIR --png real.png
 
@@ -21,7 +23,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.longseq.pipeline.partition import partition, segment_flops  # noqa: E402
+import torch  # noqa: E402
+
+from megatron.longseq.attention.documents import lognormal_starts  # noqa: E402
+from megatron.longseq.pipeline.partition import (DocumentCost, document_partition, partition,  # noqa: E402
+                                                 segment_costs, segment_flops)
 from megatron.longseq.pipeline.plan import all_schedules  # noqa: E402
 from megatron.longseq.pipeline.simulate import Timeline, simulate  # noqa: E402
 
@@ -43,8 +49,28 @@ def run(p, m, k, v, seq, layers, hidden, strategy) -> Timeline:
     flops = segment_flops(lengths, params(layers, hidden), layers, hidden)
     unit = sum(flops)  # one micro-batch's forward on the whole model
     return simulate(all_schedules(p, m, k, v), v, k,
-                    forward_cost=lambda s: flops[s] / unit / (p * v),
-                    activation=lambda s: lengths[s] / seq / v)
+                    forward_cost=lambda u: flops[u[1]] / unit / (p * v),
+                    activation=lambda u: lengths[u[1]] / seq / v)
+
+
+def packed(p, m, k, seq, layers, hidden, mean: float, seed: int = 0):
+    """Micro-batches of log-normal documents (mean `mean`, sigma 1): the timelines of the static
+    uniform_comp segments and of each micro-batch's own (document_partition), costed by Eq. 8
+    within documents. Time unit: one micro-batch's forward on the whole model (the static
+    segments' average, for both)."""
+    g = torch.Generator().manual_seed(seed)
+    model = (params(layers, hidden), layers, hidden)
+    static = partition(seq, k, "uniform_comp", 1, *model)
+    batches = [DocumentCost(lognormal_starts(seq, mean, 1.0, g)[None], *model) for _ in range(m)]
+    plans = {"static": [static] * m, "per micro-batch": [document_partition(c.starts, k, *model, 1, max(static))
+                                                          for c in batches]}
+    unit = sum(sum(segment_costs(c, static)) for c in batches) / m  # one unit for both
+    out = {}
+    for name, lengths in plans.items():
+        costs = [segment_costs(c, n) for c, n in zip(batches, lengths)]
+        out[name] = simulate(all_schedules(p, m, k, 1), 1, k, forward_cost=lambda u: costs[u[0]][u[1]] / unit / p,
+                             activation=lambda u: lengths[u[0]][u[1]] / seq)
+    return out
 
 
 def paper_table() -> str:
@@ -122,6 +148,9 @@ def main(argv=None):
     ap.add_argument("--num-layers", type=int, default=32)
     ap.add_argument("--hidden-size", type=int, default=4096)
     ap.add_argument("--seq-length", type=int, default=32768)
+    ap.add_argument("--documents", type=float, metavar="MEAN",
+                    help="packed samples of log-normal documents of this mean length: static vs per-micro-batch "
+                         "uniform_comp segments (Seq1F1B, no interleaving)")
     ap.add_argument("--png", help="write the timeline here")
     ap.add_argument("--paper-table", action="store_true")
     ap.add_argument("--from-run", help="directory of a recorded timeline")
@@ -141,6 +170,13 @@ def main(argv=None):
             plot(events, p, args.png, f"recorded timeline ({args.from_run})", "s, wall clock")
         return
     p, m, k, v = args.pipeline_size, args.micro_batches, args.splits, args.chunks
+    if args.documents:
+        print(f"P={p} m={m} k={k} seq={args.seq_length} L={args.num_layers} h={args.hidden_size}, "
+              f"log-normal documents of mean {args.documents:g} tokens")
+        print(f"{'uniform_comp':>16} {'time':>8} {'bubble':>8}  (time: micro-batch forwards on the whole model)")
+        for label, t in packed(p, m, k, args.seq_length, args.num_layers, args.hidden_size, args.documents).items():
+            print(f"{label:>16} {t.makespan:>8.3f} {t.bubble_ratio:>8.3f}")
+        return
     base = run(p, m, 1, v, args.seq_length, args.num_layers, args.hidden_size, "average")
     seq = run(p, m, k, v, args.seq_length, args.num_layers, args.hidden_size, args.strategy)
     name = "Seq1F1B" + ("-I" if v > 1 else "")

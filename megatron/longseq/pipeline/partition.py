@@ -110,7 +110,7 @@ class DocumentCost:
         zero = torch.zeros(b, 1, dtype=torch.long)
         self.sum_first = torch.cat([zero, self.first.cumsum(1)], 1)  # [b, S + 1]
         self.sum_end = torch.cat([zero, end.cumsum(1)], 1)
-        self.samples, self.length = b, S
+        self.starts, self.samples, self.length = starts, b, S
         self.dense, self.attn = 2.0 * num_params, 2.0 * num_layers * hidden
         self._rows: Dict[tuple, torch.Tensor] = {}
 
@@ -145,6 +145,14 @@ def _greedy(cost: DocumentCost, k: int, granularity: int, cap: int, bound: float
             return None
         bounds.append(a + within)
     return bounds if bounds[-1] == granules else None
+
+
+def segment_costs(cost: DocumentCost, lengths: List[int]) -> List[float]:
+    """The cost of each segment of `lengths`, in order."""
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    return [cost(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
 def document_partition(starts: torch.Tensor, k: int, num_params: int, num_layers: int, hidden: int,

@@ -14,6 +14,9 @@ from typing import Callable, Dict, List, Sequence, Tuple
 from megatron.longseq.pipeline.plan import Op, RankSchedule
 
 
+Unit = Tuple[int, int]  # (micro-batch, segment)
+
+
 class Deadlock(RuntimeError):
     pass
 
@@ -57,13 +60,14 @@ def dependencies(op: Op, rank: int, p: int, v: int, k: int) -> List[Tuple[str, i
 
 
 def simulate(schedules: Sequence[RankSchedule], v: int, k: int,
-             forward_cost: Callable[[int], float] = lambda s: 1.0,
-             backward_cost: Callable[[int], float] = None,
-             activation: Callable[[int], float] = lambda s: 1.0,
+             forward_cost: Callable[[Unit], float] = lambda unit: 1.0,
+             backward_cost: Callable[[Unit], float] = None,
+             activation: Callable[[Unit], float] = lambda unit: 1.0,
              latency: float = 0.0) -> Timeline:
-    """forward_cost(segment), backward_cost(segment) (default 2x forward), activation(segment):
-    the memory a unit holds from its forward to its backward."""
-    backward_cost = backward_cost or (lambda s: 2.0 * forward_cost(s))
+    """forward_cost(unit), backward_cost(unit) (default 2x forward), activation(unit): the memory
+    a unit holds from its forward to its backward; unit = (micro-batch, segment), as packed
+    documents give every micro-batch its own segments."""
+    backward_cost = backward_cost or (lambda unit: 2.0 * forward_cost(unit))
     p = len(schedules)
     ops = [sched.ops for sched in schedules]
     done: Dict[tuple, float] = {}
@@ -80,11 +84,11 @@ def simulate(schedules: Sequence[RankSchedule], v: int, k: int,
                     break
                 # a dependency on another virtual stage is a message: add the link latency
                 ready = max([free[r]] + [done[d] + (latency if d[1] != op.chunk * p + r else 0.0) for d in deps])
-                cost = forward_cost(op.unit[1]) if op.kind == "F" else backward_cost(op.unit[1])
+                cost = forward_cost(op.unit) if op.kind == "F" else backward_cost(op.unit)
                 timeline.events.append(Event(r, op, ready, ready + cost))
                 done[(op.kind, op.chunk * p + r, op.unit)] = ready + cost
                 free[r] = ready + cost
-                live[r] += activation(op.unit[1]) * (1 if op.kind == "F" else -1)
+                live[r] += activation(op.unit) * (1 if op.kind == "F" else -1)
                 peak[r] = max(peak[r], live[r])
                 nxt[r] += 1
                 moved = True

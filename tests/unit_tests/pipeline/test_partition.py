@@ -6,7 +6,7 @@ import torch
 
 from megatron.longseq.attention.documents import lognormal_starts
 from megatron.longseq.pipeline.partition import (DocumentCost, PartitionError, average, document_partition, partition,
-                                                 segment_flops, uniform_comp)
+                                                 segment_costs, segment_flops, uniform_comp)
 
 LLAMA_7B = dict(num_params=6_700_000_000, num_layers=32, hidden=4096)
 
@@ -62,13 +62,6 @@ def _random_starts(g, b, s, p):
     return starts
 
 
-def _costs(cost, lengths):
-    bounds = [0]
-    for n in lengths:
-        bounds.append(bounds[-1] + n)
-    return [cost(a, b) for a, b in zip(bounds, bounds[1:])]
-
-
 def test_document_cost_is_eq8_within_documents():
     g = torch.Generator().manual_seed(0)
     starts = _random_starts(g, 2, 40, 0.15)
@@ -78,7 +71,7 @@ def test_document_cost_is_eq8_within_documents():
     one = torch.zeros(1, 4096, dtype=torch.bool)
     one[0, 0] = True  # one document: Eq. 8 itself
     lengths = uniform_comp(4096, 4, **LLAMA_7B)
-    assert _costs(DocumentCost(one, **LLAMA_7B), lengths) == pytest.approx(segment_flops(lengths, **LLAMA_7B), rel=1e-12)
+    assert segment_costs(DocumentCost(one, **LLAMA_7B), lengths) == pytest.approx(segment_flops(lengths, **LLAMA_7B), rel=1e-12)
 
 
 @pytest.mark.parametrize("trial", range(12))
@@ -92,10 +85,10 @@ def test_document_partition_is_the_cheapest_costliest_segment(trial):
     cap = None if trial % 2 else seq // 2
     lengths = document_partition(starts, k, params, 2, 3, gran, cap)
     assert sum(lengths) == seq and all(n > 0 and n % gran == 0 and (cap is None or n <= cap) for n in lengths)
-    best = min(max(_costs(cost, [(b - a) * gran for a, b in zip((0, *cuts), (*cuts, seq // gran))]))
+    best = min(max(segment_costs(cost, [(b - a) * gran for a, b in zip((0, *cuts), (*cuts, seq // gran))]))
                for cuts in itertools.combinations(range(1, seq // gran), k - 1)
                if cap is None or all((b - a) * gran <= cap for a, b in zip((0, *cuts), (*cuts, seq // gran))))
-    assert max(_costs(cost, lengths)) == pytest.approx(best, rel=1e-8)
+    assert max(segment_costs(cost, lengths)) == pytest.approx(best, rel=1e-8)
 
 
 def test_one_document_is_uniform_comp():
@@ -113,7 +106,7 @@ def test_packed_documents_get_segments_of_equal_cost():
     cost = DocumentCost(starts, **LLAMA_7B)
     static = uniform_comp(131072, 4, granularity=8, **LLAMA_7B)
     ours = document_partition(starts, 4, granularity=8, max_length=max(static), **LLAMA_7B)
-    spread = [max(c) * len(c) / sum(c) for c in (_costs(cost, static), _costs(cost, ours))]
+    spread = [max(c) * len(c) / sum(c) for c in (segment_costs(cost, static), segment_costs(cost, ours))]
     assert spread[0] > 1.3 and spread[1] < 1.001
     assert max(ours) <= max(static)
 

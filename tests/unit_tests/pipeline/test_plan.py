@@ -50,7 +50,7 @@ def test_bubble_ratio_falls_with_splits_as_theory_says(p, m):
     segments turns m into m*k units: (P-1)/(m k + P-1)."""
     ratios = []
     for k in (1, 2, 4, 8):
-        t = simulate(all_schedules(p, m, k), 1, k, forward_cost=lambda s, k=k: 1.0 / k)
+        t = simulate(all_schedules(p, m, k), 1, k, forward_cost=lambda unit, k=k: 1.0 / k)
         assert t.bubble_ratio == pytest.approx((p - 1) / (m * k + p - 1), rel=1e-9)
         ratios.append(t.bubble_ratio)
     assert ratios == sorted(ratios, reverse=True)
@@ -61,7 +61,7 @@ def test_peak_activation_per_stage_falls_with_splits():
     micro-batches' worth for Seq1F1B."""
     p, m = 4, 8
     for k in (1, 2, 4, 8):
-        t = simulate(all_schedules(p, m, k), 1, k, activation=lambda s, k=k: 1.0 / k)
+        t = simulate(all_schedules(p, m, k), 1, k, activation=lambda unit, k=k: 1.0 / k)
         assert t.peak_activation[0] == pytest.approx((p - 1 + k) / k)
 
 
@@ -124,3 +124,14 @@ def test_interleaved_groups_of_any_size_at_least_the_pipeline_complete(p, v, k, 
         all_schedules(4, 8, 1, 2, 2)
     with pytest.raises(ScheduleError, match="not divisible by 5"):
         all_schedules(4, 8, 1, 2, 5)
+
+
+def test_packed_documents_run_faster_on_their_own_segments():
+    """The simulator on 128K samples of packed documents (mean 4K), 8 micro-batches: each one's
+    own segments cut the static uniform_comp's iteration time by 13% (7.70 -> 6.69, bubble 0.22 ->
+    0.10; CPU, 2026-11-23) -- asserted at 10%."""
+    from tools.pipeline_simulator import packed
+
+    runs = packed(4, 8, 4, 131072, 32, 4096, 4096.0)
+    static, ours = runs["static"], runs["per micro-batch"]
+    assert ours.makespan < 0.9 * static.makespan and ours.bubble_ratio < static.bubble_ratio
