@@ -3,7 +3,7 @@ and all recorded in the ledger."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -87,32 +87,55 @@ def seq_all_to_all(x, group, head_counts, my_rank, to_heads: bool, layer=None):
 
 @dataclass
 class RingComm:
-    """Send to the next member of a ring, receive from the previous one (async)."""
+    """Send to members of a ring, receive from members (async), in batches."""
 
     group: object
     members: List[int]  # global ranks in ring order
     index: int  # this rank's position
     axis: str  # "inner" or "outer", for the ledger
+    connected: bool = False
 
     @property
     def size(self) -> int:
         return len(self.members)
 
+    def connect(self, device) -> None:
+        """Once, before the first batch: a collective the whole group takes part in. NCCL makes a
+        group's communicator at its first call, and a batch of P2P ops may be that call only if
+        every member is in it -- a ring that skips transfers (route.py) leaves some out."""
+        if not self.connected:
+            dist.all_reduce(torch.zeros(1, device=device), group=self.group)
+            self.connected = True
+
+    def peer(self, offset: int) -> int:
+        """The global rank `offset` places along the ring (+1: the next member, -1: the previous)."""
+        return self.members[(self.index + offset) % self.size]
+
+    def exchange(self, sends, recvs, layer, phase: str):
+        """Start the sends [(tensor, offset)] and the receives into [(buffer, offset)] (buffers the
+        caller reuses) as one batch; returns a _Pending, or None when both lists are empty. Every
+        member posts the matching half of each pair in the same step, so batches pair up (NCCL
+        runs each as one group)."""
+        ops = [dist.P2POp(dist.isend, t, self.peer(off), self.group) for t, off in sends]
+        ops += [dist.P2POp(dist.irecv, buf, self.peer(off), self.group) for buf, off in recvs]
+        if not ops:
+            return None
+        for t, _ in sends:
+            LEDGER.record(layer, phase, "p2p", self.axis, _nbytes(t))
+        return _Pending(dist.batch_isend_irecv(ops), [buf for buf, _ in recvs], [t for t, _ in sends])
+
     def send_recv(self, tensor: torch.Tensor, recv: torch.Tensor, layer, phase: str):
-        """Start sending `tensor` forward and receiving the previous member's into `recv` (a buffer
-        the caller reuses); returns a pending receive whose .wait() gives `recv`."""
-        nxt = self.members[(self.index + 1) % self.size]
-        prv = self.members[(self.index - 1) % self.size]
-        ops = [dist.P2POp(dist.isend, tensor, nxt, self.group), dist.P2POp(dist.irecv, recv, prv, self.group)]
-        LEDGER.record(layer, phase, "p2p", self.axis, _nbytes(tensor))
-        return _Pending(dist.batch_isend_irecv(ops), recv, tensor)
+        """Send `tensor` to the next member and receive the previous member's into `recv`; the
+        pending's .wait() gives `recv`."""
+        return self.exchange([(tensor, 1)], [(recv, -1)], layer, phase)
 
 
 class _Pending:
-    def __init__(self, requests, recv, sent):
-        self.requests, self.recv, self.sent = requests, recv, sent  # keep `sent` alive until done
+    def __init__(self, requests, received: List[torch.Tensor], sent: List[torch.Tensor]):
+        self.requests, self.received, self.sent = requests, received, sent  # keep `sent` alive until done
 
-    def wait(self) -> torch.Tensor:
+    def wait(self) -> Optional[torch.Tensor]:
+        """Wait for every send and receive of the batch; the first receive buffer (None: none)."""
         for r in self.requests:
             r.wait()
-        return self.recv
+        return self.received[0] if self.received else None

@@ -7,7 +7,7 @@ For one attention layer on d_sp GPUs, S tokens, hidden D, H heads, H_kv KV heads
   AlltoAll   = sum over q, k, v, out of Size(i) (d_hp-1)/d_hp, forward and backward (4.5.4)
   T          = T_SeqAlltoAll + (T_ring^fwd + T_ring^bwd) x d_cp/w                  (4.5.4)
 With packed documents T_comp is scaled by the slowest position's share of the causal work that
-the documents leave (attention_fraction); the transfers stay.
+the documents leave (attention_fraction); the transfers are counted whole (see attention_fraction).
 Which transfers cross nodes comes from the rank grid (placement decides who sits together);
 concurrent inter-node flows of a node share its NICs. The backward ring carries KV and the fp32
 dK/dV accumulators (3x the forward bytes), as our implementation does.
@@ -47,8 +47,10 @@ class Workload:
 def attention_fraction(work: Workload, ring: int) -> float:
     """The slowest ring position's attention work relative to plain causal attention's, on the
     workload's packed documents placed as the data loader places them (1.0 without documents).
-    Blocks and pieces that meet no document are skipped, so compute shrinks; the KV blocks still
-    travel the whole ring, so communication does not."""
+    Blocks and pieces that meet no document are skipped, so compute shrinks. Communication is
+    counted whole: a block travels only as far as its last reader (route.py), but under the
+    balanced placement every position holds pieces of every document of 2R tokens or more, so one
+    such document makes every block read -- only samples of shorter documents send less."""
     if not work.documents:
         return 1.0
     return _fraction(work.documents, ring)

@@ -142,6 +142,7 @@ class DocumentLayout:
         self.ring = ring
         self._tokens: Dict[tuple, List[torch.Tensor]] = {}
         self._pieces: Dict[tuple, List[Piece]] = {}
+        self.routes: Dict[tuple, object] = {}  # ring.py's transfer routes, by segment pair
 
     def tokens(self, sample: int, segment: int, position: int) -> torch.Tensor:
         """Sorted indices (into the sample) of the tokens ring position `position` holds of `segment`."""
@@ -160,6 +161,26 @@ class DocumentLayout:
                                  for p in block_pieces(self.tokens(b, q_segment, j), self.tokens(b, k_segment, src),
                                                        self.doc_of[b])]
         return self._pieces[key]
+
+    def meeting(self, q_segment: int, k_segment: int) -> torch.Tensor:
+        """[R, R] bool: whether position j's queries of q_segment see any of position src's keys of
+        k_segment (a document on both sides with a key no later than a query, in any sample): the
+        blocks that have pieces, for every pair at once."""
+        met = torch.zeros(self.ring, self.ring, dtype=torch.bool)
+        for b in range(self.starts.shape[0]):
+            last_query = self._extreme(b, q_segment, "amax", -1)  # [R, docs]: -1 where none
+            first_key = self._extreme(b, k_segment, "amin", self.starts.shape[1])
+            met |= (first_key[None, :, :] <= last_query[:, None, :]).any(-1)  # [j, src]
+        return met
+
+    def _extreme(self, sample: int, segment: int, reduce: str, none: int) -> torch.Tensor:
+        """[R, documents] the first or last token each position holds of each document of the
+        sample in the segment (`none` where it holds none)."""
+        out = torch.full((self.ring, int(self.doc_of[sample, -1]) + 1), none, dtype=torch.long)
+        for r in range(self.ring):
+            tokens = self.tokens(sample, segment, r)
+            out[r].scatter_reduce_(0, self.doc_of[sample, tokens], tokens, reduce)
+        return out
 
     def meet(self, q_segment: int, k_segment: int) -> bool:
         """Whether a document has tokens in both segments, in any sample (every rank gets the same

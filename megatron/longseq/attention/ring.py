@@ -12,7 +12,9 @@ Against a block from src, by position order of the chunks (all blocks are full e
 Each case is a list of pieces (query rows x key rows, causal or full: documents.Piece), so packed
 documents take the same path: their blocks split into one piece per document met on both sides
 (DocumentLayout), and a block with none is skipped. Partial (out, lse) are merged in fp32.
-Backward runs the kernel backward per block with the final out/lse; dK/dV accumulators (fp32) travel with their KV block and return to its owner.
+Backward runs the kernel backward per block with the final out/lse; dK/dV accumulators (fp32)
+travel with their KV block and return to its owner. Which transfers happen is route.py's: all of
+them on the plain ring; with documents a block goes no further than its last reader.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from megatron.longseq.attention.comm import RingComm
 from megatron.longseq.attention.documents import Piece
 from megatron.longseq.attention.kernels import AttentionKernel, grad_like
 from megatron.longseq.attention.ledger import LEDGER
+from megatron.longseq.attention.route import Route
 
 CAUSAL, KV_FIRST, Q_SECOND, FULL = "causal", "kv-first", "q-second", "full"
 
@@ -52,6 +55,12 @@ class RingContext:
     @property
     def size(self) -> int:
         return self.inner_size * self.outer_size
+
+    def connect(self, device) -> None:
+        """Every ring call starts here, on every member alike (RingComm.connect)."""
+        for comm in (self.inner, self.outer):
+            if comm is not None:
+                comm.connect(device)
 
     def source(self, o: int, t: int) -> int:
         i, p = divmod(self.ring_index, self.inner_size)
@@ -200,69 +209,119 @@ def _pieces(blocks: Blocks, j: int, src: int, layer, phase: str) -> List[Piece]:
     return pieces
 
 
+def _kv_step(comm, plan, held, bufs: _Pair, layer, phase: str):
+    """Start a KV transfer of `plan` = (send the held block, receive the next): the pending
+    transfer, or None when neither."""
+    send, recv = plan
+    return comm.exchange([(held, 1)] if send else [], [(bufs.other_than(held), -1)] if recv else [], layer, phase) \
+        if send or recv else None
+
+
+def _arrived(pending):
+    """The block a KV transfer brought (None: it sent only, or nothing moved)."""
+    return pending.wait() if pending is not None else None
+
+
+def _block_in_hand(cur, pieces):
+    if pieces and cur is None:
+        raise RuntimeError("ring route: a block this rank's queries need was not sent here")
+    return cur
+
+
 def ring_forward(q, k, v, rc: RingContext, kernel, scale, layer=None, blocks: Optional[Blocks] = None,
-                 out=None, lse=None):
+                 out=None, lse=None, route: Optional[Route] = None):
     """Merge this rank's queries q [b, h, s, d] against every ring position's k/v [b, g, s, d]
     into the accumulators (out, lse) -- None to start, when the first block must be the diagonal;
-    `blocks` gives each block's pieces (default: plain causal). Returns (out, lse): fp32 once two
-    pieces were merged, lse always fp32."""
+    `blocks` gives each block's pieces (default: plain causal), `route` which blocks travel how
+    far (default: all the way). Returns (out, lse): fp32 once two pieces were merged, lse fp32."""
     blocks = blocks if blocks is not None else plain_blocks(q.shape[2], k.shape[2])
     if rc.size == 1:  # no ring: the diagonal block only
         return block_forward(q, (k, v), _pieces(blocks, 0, 0, layer, "fwd"), kernel, scale, out, lse)
+    route = route if route is not None else Route(rc)
+    rc.connect(q.device)
     kv = torch.stack([k, v])  # [2, b, g, s, d]: one message per step
     outer_bufs, inner_bufs = _Pair(kv, first=kv), _Pair(kv)
     for o in range(rc.outer_size):
         # The next outer block is fetched while this inner ring runs (LoongTrain 4.3).
-        outer = rc.outer.send_recv(kv, outer_bufs.other_than(kv), layer, "fwd") if o + 1 < rc.outer_size else None
+        outer = _kv_step(rc.outer, route.kv_outer(o), kv, outer_bufs, layer, "fwd")
         cur = kv
         for t in range(rc.inner_size):
-            inner = rc.inner.send_recv(cur, inner_bufs.other_than(cur), layer, "fwd") if t + 1 < rc.inner_size else None
+            inner = _kv_step(rc.inner, route.kv_inner(o, t), cur, inner_bufs, layer, "fwd")
             pieces = _pieces(blocks, rc.ring_index, rc.source(o, t), layer, "fwd")
-            out, lse = block_forward(q, cur, pieces, kernel, scale, out, lse)
-            if inner is not None:
-                cur = inner.wait()
-        if outer is not None:
-            kv = outer.wait()
+            if pieces:
+                out, lse = block_forward(q, _block_in_hand(cur, pieces), pieces, kernel, scale, out, lse)
+            cur = _arrived(inner)
+        kv = _arrived(outer)
     return out, lse
 
 
+class _Accumulators:
+    """The dK/dV accumulators ([2, b, g, s, d] fp32) this rank holds, by block, and a pool of
+    buffers for the ones arriving: a buffer goes back to the pool once its send has completed,
+    so a call allocates a few, not one per step."""
+
+    def __init__(self, own_block: int, like: torch.Tensor):
+        self.held: Dict[int, torch.Tensor] = {own_block: torch.zeros_like(like, dtype=torch.float32)}
+        self.like = self.held[own_block]
+        self.free: List[torch.Tensor] = []
+        self.pending = None  # the last exchange, with the buffers it sent
+        self.sent: List[torch.Tensor] = []
+
+    def settle(self) -> None:
+        """Wait for the last exchange: what it received is held, what it sent is free again."""
+        if self.pending is not None:
+            self.pending.wait()
+            self.free += self.sent
+        self.pending, self.sent = None, []
+
+    def exchange(self, comm, block: int, send: Optional[int], recvs, layer) -> None:
+        """Send `block`'s accumulator `send` places along (None: keep it) and receive `recvs`."""
+        self.settle()
+        sends = [] if send is None else [(self.held.pop(block), send)]
+        incoming = []
+        for b, offset in recvs:
+            self.held[b] = self.free.pop() if self.free else torch.empty_like(self.like)
+            incoming.append((self.held[b], offset))
+        self.pending = comm.exchange(sends, incoming, layer, "bwd") if sends or incoming else None
+        self.sent = [t for t, _ in sends]
+
+
 def ring_backward(dout, q, k, v, out, lse, rc: RingContext, kernel, scale, layer=None,
-                  blocks: Optional[Blocks] = None, dq=None):
+                  blocks: Optional[Blocks] = None, dq=None, route: Optional[Route] = None):
     """Add this rank's dq (fp32 accumulator `dq`) over every ring block; return dK/dV of this
     rank's own k/v block as [2, b, g, s, d] fp32 (accumulated over all ranks' queries).
 
-    A block's dK/dV accumulator travels with it: each holder adds its share and passes it on, so
-    after W inner steps it is back where it started, and after every outer step it moves on to
-    the next inner ring with the block. Each step computes its block before waiting for the
-    accumulator it adds to, so every transfer -- outer ones included -- overlaps a kernel."""
+    A block's dK/dV accumulator travels with it: each holder adds its share and passes it on, and
+    the last holder that needs the block sends it back (route.py; on the plain ring that is the
+    next position, closing the circle), after each outer step on to the next inner ring or home.
+    Each step computes its block before waiting for the accumulator it adds to, so every transfer
+    -- outer ones included -- overlaps a kernel."""
     blocks = blocks if blocks is not None else plain_blocks(q.shape[2], k.shape[2])
+    route = route if route is not None else Route(rc)
+    rc.connect(q.device)
     kv = torch.stack([k, v])
     rows = _Rows(dout, out, lse)
-    acc = torch.zeros_like(kv, dtype=torch.float32)  # dK/dV of this rank's own block
+    accs = _Accumulators(rc.ring_index, kv)
     kv_outer, kv_inner = _Pair(kv, first=kv), _Pair(kv)
-    acc_outer, acc_inner = _Pair(acc, first=acc), _Pair(acc)
-    incoming = None  # the accumulator of the block in hand, on its way here
     for o in range(rc.outer_size):
-        outer = rc.outer.send_recv(kv, kv_outer.other_than(kv), layer, "bwd") if o + 1 < rc.outer_size else None
+        outer = _kv_step(rc.outer, route.kv_outer(o), kv, kv_outer, layer, "bwd")
         cur = kv
         for t in range(rc.inner_size):
-            inner = rc.inner.send_recv(cur, kv_inner.other_than(cur), layer, "bwd") if t + 1 < rc.inner_size else None
-            pieces = _pieces(blocks, rc.ring_index, rc.source(o, t), layer, "bwd")
-            grads = block_backward(q, cur, rows, pieces, kernel, scale, dq)  # before the wait: overlap
-            if incoming is not None:
-                acc = incoming.wait()
-            add_block_grads(acc, grads)
-            incoming = rc.inner.send_recv(acc, acc_inner.other_than(acc), layer, "bwd") if rc.inner_size > 1 else None
-            if inner is not None:
-                cur = inner.wait()
-        if rc.outer_size > 1:  # to the next inner ring, which holds this block next outer step
-            if incoming is not None:
-                acc = incoming.wait()
-            incoming = rc.outer.send_recv(acc, acc_outer.other_than(acc), layer, "bwd")
-        if outer is not None:
-            kv = outer.wait()
-    # After the last hop the accumulator in hand is this rank's own block's.
-    return incoming.wait() if incoming is not None else acc
+            inner = _kv_step(rc.inner, route.kv_inner(o, t), cur, kv_inner, layer, "bwd")
+            block = rc.source(o, t)
+            pieces = _pieces(blocks, rc.ring_index, block, layer, "bwd")
+            grads = block_backward(q, _block_in_hand(cur, pieces), rows, pieces, kernel, scale, dq)  # before the wait: overlap
+            accs.settle()
+            if grads:
+                add_block_grads(accs.held[block], grads)
+            if rc.inner_size > 1:
+                accs.exchange(rc.inner, block, *route.acc_inner(o, t), layer)
+            cur = _arrived(inner)
+        if rc.outer_size > 1:  # to the next inner ring, which holds this block next outer step, or home
+            accs.exchange(rc.outer, rc.source(o, 0), *route.acc_outer(o), layer)
+        kv = _arrived(outer)
+    accs.settle()
+    return accs.held[rc.ring_index]
 
 
 def _blocks(documents, q, k, q_segment: int, k_segment: int) -> Blocks:
@@ -271,6 +330,17 @@ def _blocks(documents, q, k, q_segment: int, k_segment: int) -> Blocks:
     if documents is None:
         return plain_blocks(q.shape[2], k.shape[2], q_segment == k_segment)
     return lambda j, src: documents.pieces(q_segment, k_segment, j, src)
+
+
+def _route(documents, rc: RingContext, q_segment: int, k_segment: int) -> Optional[Route]:
+    """Which blocks travel how far: by where the documents meet (kept with the layout, as every
+    layer asks the same), or None for the plain ring."""
+    if documents is None or rc.size == 1:
+        return None
+    key = (q_segment, k_segment)
+    if key not in documents.routes:
+        documents.routes[key] = Route(rc, documents.meeting(q_segment, k_segment))
+    return documents.routes[key]
 
 
 def _prefix_met(prefix, documents, index: int, rc: RingContext, layer, phase: str):
@@ -297,10 +367,11 @@ class _RingAttention(torch.autograd.Function):
         if cached is not None:
             out, lse = cached
         else:
-            out, lse = ring_forward(q, k, v, rc, kernel, scale, layer, _blocks(documents, q, k, index, index))
+            out, lse = ring_forward(q, k, v, rc, kernel, scale, layer, _blocks(documents, q, k, index, index),
+                                    route=_route(documents, rc, index, index))
             for j, (k_j, v_j) in _prefix_met(prefix, documents, index, rc, layer, "fwd"):
                 out, lse = ring_forward(q, k_j, v_j, rc, kernel, scale, layer, _blocks(documents, q, k_j, index, j),
-                                        out, lse)
+                                        out, lse, _route(documents, rc, index, j))
             out = out.to(q.dtype)
         if segment is not None:
             segment.keep(layer, k.detach(), v.detach())
@@ -319,11 +390,13 @@ class _RingAttention(torch.autograd.Function):
             return (*kernel.backward(dout, q, k, v, out, lse, True, scale), *none)
         index = segment.index if segment is not None else 0
         dq = torch.zeros_like(q, dtype=torch.float32)
-        dkv = ring_backward(dout, q, k, v, out, lse, rc, kernel, scale, layer, _blocks(documents, q, k, index, index), dq)
+        dkv = ring_backward(dout, q, k, v, out, lse, rc, kernel, scale, layer, _blocks(documents, q, k, index, index), dq,
+                            _route(documents, rc, index, index))
         if segment is not None:
             for j, (k_j, v_j) in _prefix_met(segment.prefix(layer), documents, index, rc, layer, "bwd"):
-                blocks = _blocks(documents, q, k_j, index, j)
-                segment.add_grad(layer, j, ring_backward(dout, q, k_j, v_j, out, lse, rc, kernel, scale, layer, blocks, dq))
+                blocks, route = _blocks(documents, q, k_j, index, j), _route(documents, rc, index, j)
+                segment.add_grad(layer, j, ring_backward(dout, q, k_j, v_j, out, lse, rc, kernel, scale, layer, blocks,
+                                                         dq, route))
             later = segment.take_grad(layer)  # what later segments sent back to this one
             if later is not None:
                 dkv = dkv + later

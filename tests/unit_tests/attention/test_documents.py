@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from megatron.longseq.attention.context_parallel import ContextParallel
 from megatron.longseq.attention.core import AttentionInputs, LongSeqCoreAttention, dense_document_mask
@@ -275,6 +276,62 @@ def _skipped_blocks_in_the_ledger():
 
 def test_skipped_blocks_are_counted_in_the_ledger():
     run_ranks(_skipped_blocks_in_the_ledger, 4)
+
+
+def _transfers(pgs, name):
+    """Ring messages of one layer's forward and backward, summed over the ranks, exactness checked."""
+    LEDGER.clear()
+    check_documents(pgs, 4, 2, case_starts(name))
+    totals = LEDGER.totals(layer=1)
+    keys = [(phase, "p2p", axis) for phase in ("fwd", "bwd") for axis in ("inner", "outer")]
+    counts = torch.tensor([totals[key].count if key in totals else 0 for key in keys])
+    dist.all_reduce(counts)
+    return dict(zip([f"{phase} {axis}" for phase, _, axis in keys], counts.tolist()))
+
+
+def _blocks_travel_only_as_far_as_needed():
+    # Every member takes part in one collective before a ring's first batch (which may now leave
+    # members out: NCCL would hang on such a first call).
+    double = grid_groups(cp=4, hp=1, inner_ring=2, placement="context-first")
+    calls, all_reduce = [], dist.all_reduce
+    dist.all_reduce = lambda *a, **kw: calls.append(kw.get("group")) or all_reduce(*a, **kw)
+    try:
+        check_documents(double, 4, 2, case_starts("shorter than a chunk"))
+    finally:
+        dist.all_reduce = all_reduce
+    assert calls == [double.inner, double.outer]  # once per ring call's communicators, first
+    # Plain ring R = 4: one document meets every block: 3 KV hops per rank forward; backward the
+    # same plus the dK/dV accumulator's 4 (around the circle). Documents shorter than a chunk
+    # leave blocks nobody downstream meets: KV stops at its last reader (6 of 12 hops) and the
+    # accumulator returns from there (9 of 16).
+    ring = grid_groups(cp=4, hp=1)
+    assert _transfers(ring, "single document") == {"fwd inner": 12, "fwd outer": 0, "bwd inner": 28, "bwd outer": 0}
+    assert _transfers(ring, "shorter than a chunk") == {"fwd inner": 6, "fwd outer": 0, "bwd inner": 15, "bwd outer": 0}
+    # Double ring W = 2, O = 2: per rank 2 inner KV hops and 1 outer forward; backward adds 4
+    # inner and 2 outer accumulator hops. Short documents halve them (the outer accumulator of a
+    # block no later ring needs goes straight home).
+    assert _transfers(double, "single document") == {"fwd inner": 8, "fwd outer": 4, "bwd inner": 24, "bwd outer": 12}
+    assert _transfers(double, "shorter than a chunk") == {"fwd inner": 4, "fwd outer": 2, "bwd inner": 12,
+                                                          "bwd outer": 6}
+
+
+def test_blocks_travel_only_as_far_as_their_last_reader():
+    run_ranks(_blocks_travel_only_as_far_as_needed, 4)
+
+
+@pytest.mark.parametrize("ring", [2, 4, 8])
+def test_meeting_is_the_blocks_with_pieces(ring):
+    """The route's [R, R] matrix (vectorised) against the pieces of every block, every case."""
+    for name in CASES:
+        for lengths in ([32], [16, 16]):
+            if any(n % (2 * ring) for n in lengths):
+                continue
+            layout = DocumentLayout(case_starts(name), ring, lengths)
+            for q_segment in range(len(lengths)):
+                for k_segment in range(q_segment + 1):
+                    want = torch.tensor([[bool(layout.pieces(q_segment, k_segment, j, src)) for src in range(ring)]
+                                         for j in range(ring)])
+                    assert torch.equal(layout.meeting(q_segment, k_segment), want), (name, lengths, q_segment, k_segment)
 
 
 def test_layout_gives_every_rank_what_the_data_loader_placed():
