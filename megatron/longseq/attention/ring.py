@@ -213,8 +213,9 @@ def _kv_step(comm, plan, held, bufs: _Pair, layer, phase: str):
     """Start a KV transfer of `plan` = (send the held block, receive the next): the pending
     transfer, or None when neither."""
     send, recv = plan
-    return comm.exchange([(held, 1)] if send else [], [(bufs.other_than(held), -1)] if recv else [], layer, phase) \
-        if send or recv else None
+    if not (send or recv):
+        return None
+    return comm.exchange([(held, 1)] if send else [], [(bufs.other_than(held), -1)] if recv else [], layer, phase)
 
 
 def _arrived(pending):
