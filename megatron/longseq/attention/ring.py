@@ -19,6 +19,7 @@ them on the plain ring; with documents a block goes no further than its last rea
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -55,6 +56,11 @@ class RingContext:
     @property
     def size(self) -> int:
         return self.inner_size * self.outer_size
+
+    @cached_property
+    def plain_route(self) -> Route:
+        """Every transfer of the double ring (the route without documents), made once."""
+        return Route(self)
 
     def connect(self, device) -> None:
         """Every ring call starts here, on every member alike (RingComm.connect)."""
@@ -238,7 +244,7 @@ def ring_forward(q, k, v, rc: RingContext, kernel, scale, layer=None, blocks: Op
     blocks = blocks if blocks is not None else plain_blocks(q.shape[2], k.shape[2])
     if rc.size == 1:  # no ring: the diagonal block only
         return block_forward(q, (k, v), _pieces(blocks, 0, 0, layer, "fwd"), kernel, scale, out, lse)
-    route = route if route is not None else Route(rc)
+    route = route if route is not None else rc.plain_route
     rc.connect(q.device)
     kv = torch.stack([k, v])  # [2, b, g, s, d]: one message per step
     outer_bufs, inner_bufs = _Pair(kv, first=kv), _Pair(kv)
@@ -298,7 +304,7 @@ def ring_backward(dout, q, k, v, out, lse, rc: RingContext, kernel, scale, layer
     Each step computes its block before waiting for the accumulator it adds to, so every transfer
     -- outer ones included -- overlaps a kernel."""
     blocks = blocks if blocks is not None else plain_blocks(q.shape[2], k.shape[2])
-    route = route if route is not None else Route(rc)
+    route = route if route is not None else rc.plain_route
     rc.connect(q.device)
     kv = torch.stack([k, v])
     rows = _Rows(dout, out, lse)
