@@ -111,11 +111,13 @@ CASES = [
         "--pipe-sp-splits 2").split(), "gpt_documents", data=True),
     # Each micro-batch's segments chosen by its documents' FLOPs (partition.document_partition): at
     # 512 tokens attention is ~30% of this model's Eq.-8 cost, so they move (252/260, 256/256, ...
-    # where the static uniform_comp is 276/236).
+    # where the static uniform_comp is 276/236) -- under MEMO too, whose buffers the static
+    # partition's longest segment sizes.
     Case("gpt_documents_512", 1, DOCUMENTS + SEQ_512, data=True),
-    Case("gpt_documents_pp2_cp2_seq1f1b_k2_uniform_comp", 4, DOCUMENTS + SEQ_512 + (
+    Case("gpt_documents_pp2_cp2_seq1f1b_k2_uniform_comp_memo", 4, DOCUMENTS + SEQ_512 + (
         "--pipeline-model-parallel-size 2 --context-parallel-size 2 --pipe-sp-splits 2 "
-        "--pipe-sp-strategy uniform_comp").split(), "gpt_documents_512", data=True),
+        "--pipe-sp-strategy uniform_comp --memo --memo-swap-fraction 0.5 --memo-planner greedy").split(),
+         "gpt_documents_512", data=True),
 ]
 
 BY_NAME = {c.name: c for c in CASES}
