@@ -124,11 +124,6 @@ class RingComm:
             LEDGER.record(layer, phase, "p2p", self.axis, _nbytes(t))
         return _Pending(dist.batch_isend_irecv(ops), [buf for buf, _ in recvs], [t for t, _ in sends])
 
-    def send_recv(self, tensor: torch.Tensor, recv: torch.Tensor, layer, phase: str):
-        """Send `tensor` to the next member and receive the previous member's into `recv`; the
-        pending's .wait() gives `recv`."""
-        return self.exchange([(tensor, 1)], [(recv, -1)], layer, phase)
-
 
 class _Pending:
     def __init__(self, requests, received: List[torch.Tensor], sent: List[torch.Tensor]):

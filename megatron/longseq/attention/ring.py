@@ -317,7 +317,8 @@ def ring_backward(dout, q, k, v, out, lse, rc: RingContext, kernel, scale, layer
             inner = _kv_step(rc.inner, route.kv_inner(o, t), cur, kv_inner, layer, "bwd")
             block = rc.source(o, t)
             pieces = _pieces(blocks, rc.ring_index, block, layer, "bwd")
-            grads = block_backward(q, _block_in_hand(cur, pieces), rows, pieces, kernel, scale, dq)  # before the wait: overlap
+            # the block's kernels before waiting for the accumulator: the transfer overlaps them
+            grads = block_backward(q, _block_in_hand(cur, pieces), rows, pieces, kernel, scale, dq)
             accs.settle()
             if grads:
                 add_block_grads(accs.held[block], grads)
@@ -397,8 +398,8 @@ class _RingAttention(torch.autograd.Function):
             return (*kernel.backward(dout, q, k, v, out, lse, True, scale), *none)
         index = segment.index if segment is not None else 0
         dq = torch.zeros_like(q, dtype=torch.float32)
-        dkv = ring_backward(dout, q, k, v, out, lse, rc, kernel, scale, layer, _blocks(documents, q, k, index, index), dq,
-                            _route(documents, rc, index, index))
+        blocks, route = _blocks(documents, q, k, index, index), _route(documents, rc, index, index)
+        dkv = ring_backward(dout, q, k, v, out, lse, rc, kernel, scale, layer, blocks, dq, route)
         if segment is not None:
             for j, (k_j, v_j) in _prefix_met(segment.prefix(layer), documents, index, rc, layer, "bwd"):
                 blocks, route = _blocks(documents, q, k_j, index, j), _route(documents, rc, index, j)

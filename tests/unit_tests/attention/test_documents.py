@@ -331,7 +331,8 @@ def test_meeting_is_the_blocks_with_pieces(ring):
                 for k_segment in range(q_segment + 1):
                     want = torch.tensor([[bool(layout.pieces(q_segment, k_segment, j, src)) for src in range(ring)]
                                          for j in range(ring)])
-                    assert torch.equal(layout.meeting(q_segment, k_segment), want), (name, lengths, q_segment, k_segment)
+                    got = layout.meeting(q_segment, k_segment)
+                    assert torch.equal(got, want), (name, lengths, q_segment, k_segment)
 
 
 def test_layout_gives_every_rank_what_the_data_loader_placed():
