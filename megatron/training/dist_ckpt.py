@@ -8,7 +8,8 @@ Every tensor is saved by its place in the whole model (megatron-core's sharded s
 offsets for pipeline stages, the tp-split axis), so any layout reads the pieces it needs. The
 optimizer is saved in model space: each parameter's fp32 main copy and Adam moments as tensors of
 the parameter's shape, cut like the parameter (Megatron's fully reshardable form), whatever the
-data-parallel sharding of the run that wrote it.
+data-parallel sharding of the run that wrote it. A load reads, into host memory, the state of the
+parameters this rank's shard touches only, and takes it from what the load returns.
 
 A save is one megatron-core async request on every path: tensors are copied to host memory, a
 forked process writes them, and a collective finish gathers the write results, writes the metadata,
@@ -29,6 +30,7 @@ import json
 import multiprocessing as mp
 import os
 import shutil
+from dataclasses import replace
 from functools import partial
 from typing import Optional
 
@@ -98,18 +100,37 @@ def _model_sharded(chunks, pgs) -> dict:
     return {key: m.sharded_state_dict(metadata=metadata) for key, m in zip(model_keys(chunks), chunks)}
 
 
-def _optimizer_sharded(chunks, model_sd: dict, flats: dict, offsets: dict) -> dict:
-    """Each parameter's main copy and moments as the parameter's own ShardedTensor under Megatron's
-    key prefix "optimizer.state.<name>.": same global shape, offsets, tp axis and replicas."""
-    out = {}
+def _parameters(chunks):
+    """(model key, parameter name, parameter) of every parameter of this rank's model chunks."""
     for key, model in zip(model_keys(chunks), chunks):
         for name, p in model.named_parameters():
-            lo = offsets[p]
-            for state in MODEL_SPACE:
-                piece = flats[state][lo : lo + p.numel()].view_as(p)  # flat [numel] -> p's shape
-                out[f"{key}.{name}.{state}"] = make_sharded_optimizer_tensor(
-                    model_sd[key][name], piece, f"optimizer.state.{state}")
+            yield key, name, p
+
+
+def _state_key(key: str, name: str, state: str) -> str:
+    return f"{key}.{name}.{state}"
+
+
+def _optimizer_sharded(chunks, model_sd: dict, states: dict, reads=None) -> dict:
+    """Each parameter's main copy and moments as the parameter's own ShardedTensor under Megatron's
+    key prefix "optimizer.state.<name>.": same global shape, offsets, tp axis and replicas.
+    states[p][state]: the tensor in p's shape, for each parameter this rank saves or loads. reads(p),
+    at a load: whether this rank is p's one reader among its data-parallel replicas (megatron-core
+    checks that every piece has one main replica); a save keeps the model's replicas."""
+    out = {}
+    for key, name, p in _parameters(chunks):
+        for state, data in states.get(p, {}).items():
+            sh = make_sharded_optimizer_tensor(model_sd[key][name], data, f"optimizer.state.{state}")
+            if reads is not None:  # the last replica axis is the dp x cp rank
+                sh = replace(sh, replica_id=(*sh.replica_id[:-1], 0 if reads(p) else 1))
+            out[_state_key(key, name, state)] = sh
     return out
+
+
+def _flat_views(flats: dict, offsets: dict) -> dict:
+    """A save's states: views of the gathered flats (laid out like the flat buffers)."""
+    return {p: {state: flats[state][lo : lo + p.numel()].view_as(p) for state in MODEL_SPACE}  # flat -> p's shape
+            for p, lo in offsets.items()}
 
 
 def _rng_sharded(pgs) -> ShardedObject:
@@ -139,13 +160,14 @@ def _common(args, state, pgs) -> dict:
     return common
 
 
-def _sharded(state, pgs, flats: Optional[dict], rng: bool) -> dict:
-    """The tensors (and per-rank objects), each placed in the whole model."""
+def _sharded(state, pgs, states: Optional[dict], rng: bool, reads=None) -> dict:
+    """The tensors (and per-rank objects), each placed in the whole model; the optimizer's when
+    `states` is given (see _optimizer_sharded)."""
     chunks = unwrap(state.model)
     model_sd = _model_sharded(chunks, pgs)
     sd = dict(model_sd)
-    if flats is not None:
-        sd["optimizer"] = _optimizer_sharded(chunks, model_sd, flats, state.optimizer.buffer.offsets)
+    if states is not None:
+        sd["optimizer"] = _optimizer_sharded(chunks, model_sd, states, reads)
     if rng:
         sd["rng_state"] = _rng_sharded(pgs)
     return sd
@@ -174,8 +196,9 @@ class CheckpointSaver:
             shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
             os.makedirs(tmp)
         dist.barrier()
-        flats = None if args.no_save_optim else state.optimizer.model_space_state()
-        sd = {**_common(args, state, self.pgs), **_sharded(state, self.pgs, flats, not args.no_save_rng)}
+        views = None if args.no_save_optim else _flat_views(state.optimizer.model_space_state(),
+                                                            state.optimizer.buffer.offsets)
+        sd = {**_common(args, state, self.pgs), **_sharded(state, self.pgs, views, not args.no_save_rng)}
         request = dist_checkpointing.save(sd, tmp, self.strategy, async_sharded_save=True)
         self._start(request, state.iteration, on_done)
         if not args.async_save:
@@ -286,6 +309,22 @@ def recorded_args(path: str) -> dict:
     return _model_args(dist_checkpointing.load_common_state_dict(path))
 
 
+def _load_targets(optimizer) -> dict:
+    """What a load asks of the optimizer state: every parameter this rank owns a piece of, whole (the
+    checkpoint cuts by parameter), in host memory -- not three fp32 copies of the model part on the
+    device beside the model, and not the parameters only other data-parallel ranks own."""
+    return {p: {state: torch.zeros(p.shape, dtype=torch.float32, device="cpu") for state in MODEL_SPACE}
+            for p in optimizer.fragments_of}
+
+
+def _loaded_states(loaded: dict, chunks, targets: dict) -> dict:
+    """The optimizer state per owned parameter, from what the load returned: the fully parallel
+    load (CUDA) hands back the pieces other ranks read as new tensors instead of filling the
+    targets. A key the checkpoint lacks (a lenient --dist-ckpt-strictness) keeps its zeros."""
+    return {p: {state: loaded.get(_state_key(key, name, state), targets[p][state]) for state in MODEL_SPACE}
+            for key, name, p in _parameters(chunks) if p in targets}
+
+
 def load_checkpoint(args, state, pgs, path: str) -> None:
     """Fill `state` from the torch_dist checkpoint at `path` (an iteration directory)."""
     if args.verify_integrity:
@@ -295,18 +334,19 @@ def load_checkpoint(args, state, pgs, path: str) -> None:
     load_optim = not args.no_load_optim and not args.finetune  # --finetune: the model only
     if load_optim and "optimizer_steps" not in common:
         raise ValueError(f"{path} holds no optimizer state; load with --no-load-optim")
-    flats = {name: torch.zeros_like(state.optimizer.main_data) for name in MODEL_SPACE} if load_optim else None
+    targets = _load_targets(state.optimizer) if load_optim else None
     # RNG streams belong to ranks: a run with another layout starts its own (as Megatron does).
     rng = common["rng_saved"] and not args.no_load_rng and not args.finetune and common["layout"] == _layout(pgs)
-    loaded = dist_checkpointing.load(_sharded(state, pgs, flats, rng), path, _load_strategy(args, pgs),
-                                     strict=args.dist_ckpt_strictness)
+    sharded = _sharded(state, pgs, targets, rng, state.optimizer.reads_first)
+    loaded = dist_checkpointing.load(sharded, path, _load_strategy(args, pgs), strict=args.dist_ckpt_strictness)
     if isinstance(loaded, tuple):  # the return_* strictness modes also hand back the mismatches
         loaded = loaded[0]
     chunks = unwrap(state.model)
     for key, model in zip(model_keys(chunks), chunks):
         model.load_state_dict(loaded[key], strict=args.dist_ckpt_strictness != "ignore_all")
     if load_optim:
-        state.optimizer.load_model_space_state(flats, common["optimizer_steps"])
+        state.optimizer.load_param_states(_loaded_states(loaded.get("optimizer", {}), chunks, targets),
+                                          common["optimizer_steps"])
         if state.optimizer.scaler is not None and "grad_scaler" in common:
             state.optimizer.scaler.load_state_dict(common["grad_scaler"])
     else:

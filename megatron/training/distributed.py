@@ -195,6 +195,12 @@ class GradBuffer:
         shard_rank = self.dp_rank if self.shards > 1 else 0
         return [b.shard_range(shard_rank, self.shards) for b in self.buckets]
 
+    def first_of_replicas(self) -> bool:
+        """Whether this rank comes first among the ranks owning the same pieces: a shard's copies in
+        every instance, or every rank of the group when the buffer is not sharded."""
+        first_here = self.shards > 1 or self.dp_rank == 0
+        return first_here and (self.across is None or dist.get_rank(self.across) == 0)
+
     def param_fragments(self):
         """(param, flat_start, flat_end) for every piece of a parameter inside an owned range."""
         for lo, hi in self.owned_ranges():

@@ -219,16 +219,36 @@ class DistributedAdam:
         """Adam's step count (the same for every parameter; bias correction depends on it)."""
         return self.steps
 
+    def reads_first(self, p: torch.nn.Parameter) -> bool:
+        """Whether this rank is p's one reader among all data-parallel ranks when a load cuts the
+        state by parameter: the first owner of p's first element."""
+        starts = [f.start for f in self.fragments_of.get(p, ())]
+        return self.buffer.offsets[p] in starts and self.buffer.first_of_replicas()
+
     def load_model_space_state(self, flats: Dict[str, torch.Tensor], steps: int) -> None:
         """Inverse of model_space_state: take this rank's owned pieces; the model's own copy of the
         weights must already be loaded (they agree with the main params to the model's precision)."""
+        self._load_pieces(lambda f, name: flats[name][f.start : f.start + f.main.numel()], steps)
+
+    def load_param_states(self, states: Dict[torch.nn.Parameter, Dict[str, torch.Tensor]], steps: int) -> None:
+        """The same from each owned parameter's state in the parameter's own shape (what a torch_dist
+        load reads): `states[p][name]` for every p this rank owns a piece of."""
+        offsets = self.buffer.offsets
+        where = {id(f): (p, f.start - offsets[p]) for p, pieces in self.fragments_of.items() for f in pieces}
+
+        def piece(f: Fragment, name: str) -> torch.Tensor:
+            p, lo = where[id(f)]
+            return states[p][name].reshape(-1)[lo : lo + f.main.numel()]  # p's shape -> flat [numel]
+        self._load_pieces(piece, steps)
+
+    def _load_pieces(self, piece, steps: int) -> None:
+        """piece(fragment, name): that fragment's values of `name` (one of MODEL_SPACE), any device."""
         self.steps = steps
         for f in self.fragments:
-            piece = slice(f.start, f.start + f.main.numel())
-            f.main.copy_(flats["fp32_param"][piece])
+            f.main.copy_(piece(f, "fp32_param"))
             self.optimizer.state.pop(f.main, None)
             if steps:
                 # torch's AdamW keeps the step as a float32 scalar tensor on the host
                 self.optimizer.state[f.main] = {"step": torch.tensor(float(steps), dtype=torch.float32),
-                                                "exp_avg": flats["exp_avg"][piece].to(f.main.device, copy=True),
-                                                "exp_avg_sq": flats["exp_avg_sq"][piece].to(f.main.device, copy=True)}
+                                                "exp_avg": piece(f, "exp_avg").to(f.main.device, copy=True),
+                                                "exp_avg_sq": piece(f, "exp_avg_sq").to(f.main.device, copy=True)}

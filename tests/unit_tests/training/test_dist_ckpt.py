@@ -113,3 +113,56 @@ def test_async_save_holds_only_host_copies_while_writing(tmp_path, monkeypatch):
     assert len(staged) == 1 and writer.write_buckets is staged[0]
     assert not any(isinstance(x, AsyncRequest) for x in state.saver.pending)
     state.saver.finish(blocking=True)
+
+
+def _check_load_asks_owned_host_state_and_reads_what_load_returns(tmp_dir, sharded_optimizer):
+    from megatron.core import dist_checkpointing
+    from megatron.training.training import setup
+    from tests.unit_tests.dist_utils import grid_groups
+    from tests.unit_tests.model_utils import tiny_args, tiny_gpt
+
+    flag = "--use-distributed-optimizer" if sharded_optimizer else ""
+    args = tiny_args(f"--save {tmp_dir} --bf16 {flag}", world_size=2)
+    pgs = grid_groups()
+
+    def build():
+        return setup(args, pgs, lambda a, p, d: tiny_gpt(a, p))
+    state = build()
+    state.saver = CheckpointSaver(args, pgs, torch.device("cpu"))
+    for _ in range(2):
+        train_one_step(state, args)
+    path = state.saver.save(state)
+    train_one_step(state, args)
+
+    fresh, asked, real = build(), [], dist_checkpointing.load
+
+    def as_the_fully_parallel_load(sharded, *rest, **kw):
+        # On CUDA the fully parallel load hands back the pieces other ranks read as new tensors and
+        # leaves the ones it was asked with as they were: zeroed here after a real load.
+        asked.extend(sharded["optimizer"].values())
+        assert all(sh.data.device.type == "cpu" and sh.data.shape == sh.local_shape for sh in asked)
+        loaded = real(sharded, *rest, **kw)
+        loaded["optimizer"] = {k: v.clone() for k, v in loaded["optimizer"].items()}
+        for sh in asked:
+            sh.data.zero_()
+        return loaded
+    dist_checkpointing.load = as_the_fully_parallel_load  # this rank's process only
+    load_checkpoint(args, fresh, pgs, path)
+    owned = fresh.optimizer.fragments_of
+    n_params = len(list(fresh.model[0].parameters()))
+    assert len(asked) == 3 * len(owned)
+    assert len(owned) < n_params if sharded_optimizer else len(owned) == n_params  # not the other rank's
+    train_one_step(fresh, args)
+    assert torch.equal(fresh.optimizer.main_data, state.optimizer.main_data)
+
+
+@pytest.mark.parametrize("sharded_optimizer", [True, False])
+def test_a_load_asks_only_for_owned_state_in_host_memory_and_takes_what_load_returns(tmp_path, sharded_optimizer):
+    """On two data-parallel ranks (with the distributed optimizer or without), a rank reads the
+    optimizer state of the parameters it owns a piece of only, into host tensors (not three fp32
+    copies of the model part on the device), one rank per piece as the main replica, and takes the
+    values from what the load returns: the step after the load is the saving run's, bit for bit,
+    though the tensors it asked with were left empty."""
+    from tests.unit_tests.dist_utils import run_ranks
+
+    run_ranks(_check_load_asks_owned_host_state_and_reads_what_load_returns, 2, str(tmp_path), sharded_optimizer)
