@@ -182,7 +182,8 @@ def _parallel(p):
     g.add_argument("--ddp-bucket-size", type=int, default=None,
                    help="elements per gradient bucket (default: one bucket per 40M elements)")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
-                   help="default: nccl when CUDA is available, else gloo")
+                   help="default: nccl when CUDA is available, else gloo; gloo runs on the CPU even where "
+                   "CUDA is visible")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
     g.add_argument("--local-rank", type=int, default=None, help="ignored; LOCAL_RANK is read")
 
@@ -399,8 +400,8 @@ def _checkpoint_and_logging(p):
 
 def _fusions(p):
     g = p.add_argument_group("fusions (on GPU, as Megatron enables them; on CPU every op is unfused)")
-    for name, what in (("gradient-accumulation", "weight-gradient GEMMs accumulate into main_grad (apex's "
-                        "fused_weight_gradient_mlp_cuda or Transformer Engine; off where neither is installed)"),
+    for name, what in (("gradient-accumulation", "weight-gradient GEMMs accumulate into main_grad (needs apex's "
+                        "fused_weight_gradient_mlp_cuda, also with Transformer Engine; off where it is missing)"),
                        ("bias-dropout", "bias + dropout + residual add, torch.compile'd (off with --memo)"),
                        ("bias-gelu", "bias + GELU, torch.compile'd (off with --memo)"),
                        ("bias-swiglu", "bias + SwiGLU, torch.compile'd (off with --memo)"),

@@ -120,7 +120,9 @@ class GradBuffer:
 
     # ---- accumulation and reduction ------------------------------------------------------
     def _on_grad(self, p: torch.nn.Parameter) -> None:
-        if not p.grad_added_to_main_grad:  # else .grad is a dummy: the GEMM wrote main_grad itself
+        # A fused GEMM wrote its share into main_grad itself and handed a dummy .grad: empty, or zeros
+        # (zero_out_wgrad: a weight tied on this stage) that autograd added the other use's share to.
+        if p.grad is not None and (not p.grad_added_to_main_grad or getattr(p, "zero_out_wgrad", False)):
             p.main_grad.add_(p.grad)
         p.grad = None
         if self.overlap and self.sync_enabled:

@@ -47,9 +47,9 @@ def fusions(args) -> dict:
 
 
 def _wgrad_fusion_present(args) -> bool:
-    """Transformer Engine's linears fuse it themselves; the local spec needs apex's extension."""
-    if args.transformer_impl == "transformer_engine":
-        return True
+    """apex's extension, whatever --transformer-impl: Transformer Engine's linears fuse it
+    themselves, but GPTModel's output layer is megatron-core's own linear, which refuses to be
+    built with the fusion and without apex."""
     return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
 
 

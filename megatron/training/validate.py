@@ -134,7 +134,9 @@ def _parallel_args(args, world_size):
         args.distributed_backend = "nccl" if cuda else "gloo"
     _require(cuda or args.distributed_backend == "gloo",
              "--distributed-backend nccl needs CUDA devices; none is visible (use gloo on CPU)")
-    args.device_type = "cuda" if cuda else "cpu"
+    # gloo moves host tensors (no reduce-scatter or send/recv of CUDA tensors): it means a CPU run
+    args.device_type = "cuda" if args.distributed_backend == "nccl" else "cpu"
+    cuda = args.device_type == "cuda"
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # as Megatron: nothing to split with one tp rank
     _require(not args.sequence_parallel or cuda,

@@ -42,6 +42,15 @@ def test_derived_values():
     assert (args.kv_channels, args.ffn_hidden_size, args.num_query_groups) == (16, 256, 4)
     assert args.max_position_embeddings == 128 and args.lr_decay_iters == 10
     assert args.distributed_backend == "gloo" and args.device_type == "cpu"
+
+
+def test_the_backend_decides_the_device_on_a_gpu_machine(monkeypatch):
+    """nccl by default where CUDA is visible; gloo chosen there means a CPU run (gloo cannot
+    reduce-scatter or send CUDA tensors)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    on_gpu = args_for()
+    assert (on_gpu.distributed_backend, on_gpu.device_type) == ("nccl", "cuda")
+    assert args_for("--distributed-backend gloo").device_type == "cpu"
     swiglu = args_for("--swiglu --hidden-size 96 --num-attention-heads 4")
     assert swiglu.ffn_hidden_size == int((4 * 96 * 2 / 3) / 64) * 64  # Megatron's SwiGLU width
     dp = args_for("--tensor-model-parallel-size 2 --global-batch-size 16", world=8)

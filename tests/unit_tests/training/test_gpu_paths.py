@@ -2,6 +2,7 @@
 the planned allocator installed before CUDA starts, megatron-core's fusions on GPU (and the
 gradient buffer's half of the fused weight-gradient protocol), pipeline receives posted ahead, and
 the activation meter off unless the log reports it."""
+import dataclasses
 import sys
 from types import ModuleType, SimpleNamespace
 
@@ -98,6 +99,11 @@ def test_megatron_core_fusions_on_gpu_and_off_on_cpu(monkeypatch):
     assert all(getattr(gpu, f) for f in FUSED)
     # apex's fused_weight_gradient_mlp_cuda is not installed here: without it, or without TE, off
     assert not gpu.gradient_accumulation_fusion
+    # nor with Transformer Engine alone: GPTModel's output layer is megatron-core's linear, which
+    # refuses the fusion without apex
+    te = _on_gpu("--bf16")
+    te.transformer_impl = "transformer_engine"  # validation refuses it on a machine without CUDA
+    assert not transformer_config(te).gradient_accumulation_fusion
     monkeypatch.setitem(sys.modules, "fused_weight_gradient_mlp_cuda", ModuleType("fused_weight_gradient_mlp_cuda"))
     monkeypatch.setattr("importlib.util.find_spec", lambda name: object())
     assert transformer_config(_on_gpu("--bf16")).gradient_accumulation_fusion
@@ -141,6 +147,47 @@ def test_fused_weight_gradients_accumulate_once_and_release_their_bucket(monkeyp
     buffer.zero_grad()
     assert not weight.grad_added_to_main_grad
 
+
+
+def _fused_wgrad_on_cpu(monkeypatch):
+    """megatron-core's gradient-accumulation fusion with its CUDA extension replaced by the same GEMM."""
+    from megatron.core.tensor_parallel import layers
+
+    ext = ModuleType("fused_weight_gradient_mlp_cuda")
+    ext.wgrad_gemm_accum_fp32 = lambda x, g, main: main.add_(g.t().float() @ x.float())
+    monkeypatch.setattr(layers, "fused_weight_gradient_mlp_cuda", ext, raising=False)
+    monkeypatch.setattr(layers, "_grad_accum_fusion_available", True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")  # where the dummy .grad goes
+
+
+def _main_grads(args, fused: bool, monkeypatch) -> dict:
+    from megatron.training import model as model_module
+    from tests.unit_tests.model_utils import lm_loss, tiny_gpt
+
+    real = model_module.transformer_config
+    monkeypatch.setattr(model_module, "transformer_config",
+                        lambda a: dataclasses.replace(real(a), gradient_accumulation_fusion=fused))
+    gpt = tiny_gpt(args, grid_groups())
+    buffer = GradBuffer(list(gpt.parameters()), dist.group.WORLD, shard=False, overlap=False)
+    buffer.zero_grad()
+    lm_loss(gpt, args).backward()
+    buffer.finish_grad_sync()
+    return {name: p.main_grad.clone() for name, p in gpt.named_parameters()}
+
+
+def test_fused_weight_gradients_keep_the_tied_embeddings_lookup_share(monkeypatch):
+    """One stage, tied embeddings: the output layer's fused GEMM writes its share into main_grad and
+    hands back a zero dummy .grad (megatron-core's zero_out_wgrad), to which autograd adds the
+    embedding lookup's share. That sum must reach main_grad: every gradient equals the unfused one."""
+    init_single_rank_world()
+    args = tiny_args()
+    _fused_wgrad_on_cpu(monkeypatch)
+    fused = _main_grads(args, True, monkeypatch)
+    plain = _main_grads(args, False, monkeypatch)
+    assert "embedding.word_embeddings.weight" in fused and "output_layer.weight" not in fused  # tied
+    for name, grad in plain.items():
+        # fp32 GEMMs of the same products, summed in another order: a few ulps of the largest entry
+        torch.testing.assert_close(fused[name], grad, rtol=1e-5, atol=1e-6, msg=name)
 
 # ---- pipeline --------------------------------------------------------------------------------------
 
