@@ -37,7 +37,7 @@ from megatron.longseq.memo.trace import Trace
 SOURCE = Path(__file__).with_name("arena.c")
 STATS = ("planned_allocs", "planned_bytes", "cached_allocs", "cache_hits", "divergences",
          "overlap_refusals", "retries", "failed_allocs", "backend_bytes", "allocated_bytes",
-         "peak_allocated_bytes", "cached_free_bytes", "pending_bytes", "marks_matched", "peak_backend_bytes")
+         "peak_allocated_bytes", "cached_free_bytes", "pending_bytes", "marks_matched", "peak_backend_bytes", "device_syncs")
 _I64 = ctypes.c_int64
 INSTALLED: Optional["PlannedAllocator"] = None  # the process's CUDA allocator, once installed
 
@@ -66,7 +66,7 @@ def library_path() -> Path:
 
 def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
-    lib.arena_init.argtypes = [ctypes.c_int, _I64]
+    lib.arena_init.argtypes = [ctypes.c_int, _I64, ctypes.c_int]
     lib.arena_malloc.restype = ctypes.c_void_p
     lib.arena_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
     lib.arena_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
@@ -94,14 +94,17 @@ def _array(values):
 
 class PlannedAllocator:
     """One per process (the C library's state is global). backend: "cuda" or "heap" (the C heap,
-    optionally limited to `capacity` bytes: the same logic, testable without a GPU)."""
+    optionally limited to `capacity` bytes: the same logic, testable without a GPU). abort_on_oom
+    (default: on CUDA): a failed allocation ends the process with one line, since torch would
+    take the NULL for a tensor."""
 
-    def __init__(self, backend: str = "cuda", capacity: int = -1):
+    def __init__(self, backend: str = "cuda", capacity: int = -1, abort_on_oom: Optional[bool] = None):
         self.path = library_path()
         self.lib = _load(self.path)
         if backend == "heap":  # the library's state outlives instances; tests start afresh
             self.lib.arena_reset()
-        rc = self.lib.arena_init(1 if backend == "cuda" else 0, capacity)
+        fatal = backend == "cuda" if abort_on_oom is None else abort_on_oom
+        rc = self.lib.arena_init(1 if backend == "cuda" else 0, capacity, int(fatal))
         if rc != 0:
             raise RuntimeError(f"MEMO planned allocator: cannot open libcuda.so.1 (code {rc})")
         self.backend = backend
@@ -189,7 +192,8 @@ class PlannedAllocator:
         self.lib.arena_empty_cache()
 
     def settle(self) -> None:
-        """All streams done: every pending free may be reused (called at an iteration's end)."""
+        """An iteration's end: every free still waiting for another stream may be reused once the
+        streams have passed (the device is synchronized only when one waits)."""
         self.lib.arena_settle()
 
     def reset(self) -> None:

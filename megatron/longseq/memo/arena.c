@@ -22,7 +22,13 @@
  *     those streams at the free has completed; an arena block in that state refuses the plan's
  *     reuse of its range (counted as an overlap refusal). When the backend is out of memory, the
  *     allocator synchronizes the device, reclaims every pending and cached block and retries once
- *     (counted as a retry).
+ *     (counted as a retry); if that fails too, a CUDA run ends with one line on stderr (torch's
+ *     pluggable allocator would take the NULL for a tensor). The device is synchronized only
+ *     there, when the arena is reserved over a non-empty cache, and at an iteration's end when some
+ *     block waits for another stream (counted).
+ *   - Every entry point binds the device's primary context to the calling thread if it has none:
+ *     the driver API needs one, and autograd's device thread may allocate before its first runtime
+ *     call would have bound it.
  *   - With recording on, every malloc, free and mark is appended to an event log: on a GPU this is
  *     the job profiler's trace, windows included.
  *
@@ -78,6 +84,11 @@ static int (*cu_event_create)(void **, unsigned) = NULL;
 static int (*cu_event_record)(void *, void *) = NULL;
 static int (*cu_event_query)(void *) = NULL;
 static int (*cu_event_destroy)(void *) = NULL;
+static int (*cu_ctx_get_current)(void **) = NULL;
+static int (*cu_ctx_set_current)(void *) = NULL;
+static int (*cu_device_get)(int *, int) = NULL;
+static int (*cu_primary_ctx_retain)(void **, int) = NULL;
+static int fatal_oom = 0; /* a failed allocation aborts (torch's pluggable allocator cannot take NULL) */
 
 static Blocks cached = {0}, pending = {0}, live_cached = {0}, pending_arena = {0};
 
@@ -103,7 +114,7 @@ static int64_t n_events = 0, events_cap = 0;
 enum {
     S_PLANNED, S_PLANNED_BYTES, S_CACHED_ALLOCS, S_CACHE_HITS, S_DIVERGENCES, S_OVERLAPS,
     S_RETRIES, S_FAILED, S_BACKEND_BYTES, S_ALLOCATED, S_PEAK_ALLOCATED, S_CACHED_FREE, S_PENDING,
-    S_MARKS_MATCHED, S_PEAK_BACKEND_BYTES, S_COUNT
+    S_MARKS_MATCHED, S_PEAK_BACKEND_BYTES, S_SYNCS, S_COUNT
 };
 static int64_t stats[S_COUNT];
 
@@ -214,16 +225,29 @@ static void event_destroy(void *ev) {
 }
 
 static void backend_sync(void) {
+    stats[S_SYNCS]++;
     if (backend_cuda) cu_sync();
     else
         for (int i = 0; i < n_fake_streams; i++) fake_streams[i].done = fake_streams[i].recorded;
 }
 
-int arena_init(int use_cuda, int64_t capacity) {
+/* The driver API needs a current context on the calling thread; the runtime binds the primary one
+ * lazily at a thread's first runtime call, which autograd's device thread may not have made yet
+ * when it first allocates. Bind it here then, as the runtime would. */
+static void bind_context(int device) {
+    void *ctx = NULL, *primary = NULL;
+    int dev = 0;
+    if (cu_ctx_get_current(&ctx) == 0 && ctx) return;
+    if (cu_device_get(&dev, device) == 0 && cu_primary_ctx_retain(&primary, dev) == 0) cu_ctx_set_current(primary);
+}
+
+int arena_init(int use_cuda, int64_t capacity, int abort_on_oom) {
     backend_cuda = use_cuda;
     heap_capacity = capacity;
+    fatal_oom = abort_on_oom;
     if (!use_cuda) return 0;
-    cuda_lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    const char *driver = getenv("MEMO_LIBCUDA"); /* tests: a stand-in driver */
+    cuda_lib = dlopen(driver ? driver : "libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
     if (!cuda_lib) return -1;
     cu_alloc = (int (*)(uint64_t *, size_t))dlsym(cuda_lib, "cuMemAlloc_v2");
     cu_free = (int (*)(uint64_t))dlsym(cuda_lib, "cuMemFree_v2");
@@ -232,8 +256,13 @@ int arena_init(int use_cuda, int64_t capacity) {
     cu_event_record = (int (*)(void *, void *))dlsym(cuda_lib, "cuEventRecord");
     cu_event_query = (int (*)(void *))dlsym(cuda_lib, "cuEventQuery");
     cu_event_destroy = (int (*)(void *))dlsym(cuda_lib, "cuEventDestroy_v2");
+    cu_ctx_get_current = (int (*)(void **))dlsym(cuda_lib, "cuCtxGetCurrent");
+    cu_ctx_set_current = (int (*)(void *))dlsym(cuda_lib, "cuCtxSetCurrent");
+    cu_device_get = (int (*)(int *, int))dlsym(cuda_lib, "cuDeviceGet");
+    cu_primary_ctx_retain = (int (*)(void **, int))dlsym(cuda_lib, "cuDevicePrimaryCtxRetain");
     return (cu_alloc && cu_free && cu_sync && cu_event_create && cu_event_record && cu_event_query &&
-            cu_event_destroy) ? 0 : -2;
+            cu_event_destroy && cu_ctx_get_current && cu_ctx_set_current && cu_device_get &&
+            cu_primary_ctx_retain) ? 0 : -2;
 }
 
 /* ---- streams on blocks ------------------------------------------------------------------------ */
@@ -351,6 +380,10 @@ static char *planned_alloc(int64_t size, void *stream) {
 
 static int reserve(int64_t bytes) {
     if (live_arena.n || pending_arena.n) return -1; /* blocks still in use in the old arena */
+    /* what the profiling iterations left cached would sit beside the arena for the whole run */
+    if (pending.n || cached.n) backend_sync(); /* a cached block's last reader may still be queued */
+    reclaim_pending();
+    release_cached();
     if (arena) backend_free(arena, arena_bytes);
     arena = NULL;
     arena_bytes = 0;
@@ -436,11 +469,19 @@ void arena_mark(int id) {
 }
 
 /* ---- the pluggable allocator's entry points -------------------------------------------------- */
+static void out_of_memory(ssize_t size) {
+    fprintf(stderr, "MEMO planned allocator: out of device memory for %zd bytes (held %lld, allocated %lld, "
+            "arena %lld); aborting, as torch's pluggable allocator cannot take a failed allocation\n",
+            size, (long long)backend_bytes, (long long)stats[S_ALLOCATED], (long long)arena_bytes);
+    abort();
+}
+
 void *arena_malloc(ssize_t size, int device, void *stream) {
-    (void)device;
     LOCK;
+    if (backend_cuda) bind_context(device);
     char *p = replaying ? planned_alloc(size, stream) : NULL;
     if (!p) p = cache_alloc(size, stream);
+    if (!p && fatal_oom) out_of_memory(size);
     if (p) {
         stats[S_ALLOCATED] += size;
         if (stats[S_ALLOCATED] > stats[S_PEAK_ALLOCATED]) stats[S_PEAK_ALLOCATED] = stats[S_ALLOCATED];
@@ -451,11 +492,11 @@ void *arena_malloc(ssize_t size, int device, void *stream) {
 }
 
 void arena_free(void *ptr, ssize_t size, int device, void *stream) {
-    (void)device;
     (void)stream;
     char *p = ptr;
     if (!p) return;
     LOCK;
+    if (backend_cuda) bind_context(device); /* events may be recorded */
     record(1, (int64_t)(uintptr_t)p, size);
     stats[S_ALLOCATED] -= size;
     int64_t i = find_ptr(&live_arena, p);
@@ -539,10 +580,11 @@ int64_t arena_events(int64_t *out, int64_t max_events) {
     return total;
 }
 
-/* Wait for every stream; then every pending block may be reused (an iteration's end). */
+/* An iteration's end: every block still waiting for another stream may be reused once the streams
+ * have passed; the device is synchronized only when some block waits. */
 void arena_settle(void) {
     LOCK;
-    backend_sync();
+    if (pending.n || pending_arena.n) backend_sync();
     reclaim_pending();
     UNLOCK;
 }

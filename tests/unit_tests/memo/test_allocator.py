@@ -194,3 +194,88 @@ def test_recorded_trace_is_a_plannable_trace(traced):
     assert shape(recorded) == shape(trace)
     assert set(recorded.windows()) == set(trace.windows())
     bilevel_plan(recorded, "greedy")  # validates every block against the recorded trace
+
+
+def test_settle_synchronizes_only_when_a_block_waits_for_another_stream():
+    alloc = PlannedAllocator("heap")
+    a = alloc.malloc(4096, S)
+    alloc.free(a, 4096, S)
+    alloc.settle()
+    assert alloc.stats()["device_syncs"] == 0  # an iteration's end costs no device synchronization
+    b = alloc.malloc(4096, S)
+    alloc.record_stream(b, T)
+    alloc.free(b, 4096, S)
+    alloc.settle()
+    assert alloc.stats()["device_syncs"] == 1 and alloc.stats()["pending_bytes"] == 0
+
+
+def test_reserving_the_arena_gives_the_cache_back_first():
+    """The profiling iterations fill the cache; the arena is reserved after them, and the cached
+    blocks must not stay beside it (here they would not even leave it room)."""
+    alloc = PlannedAllocator("heap", capacity=8 * 4096)
+    blocks = [alloc.malloc(4096, S) for _ in range(6)]
+    for ptr in blocks:
+        alloc.free(ptr, 4096, S)
+    assert alloc.stats()["cached_free_bytes"] == 6 * 4096
+    assert alloc.load(Replay([4096], [0], [("begin fwd L2", 0)], 4 * 4096)) == 4 * 4096
+    stats = alloc.stats()
+    assert stats["cached_free_bytes"] == 0 and stats["backend_bytes"] == 4 * 4096
+
+
+# A stand-in for libcuda's driver API: the heap, and a context that is current per thread only once
+# set (a thread's first driver call without one fails, as CUDA_ERROR_INVALID_CONTEXT).
+FAKE_DRIVER = r"""
+#include <stdint.h>
+#include <stdlib.h>
+static __thread void *current = 0;
+static int64_t held = 0, capacity = 1 << 20;
+int cuCtxGetCurrent(void **ctx) { *ctx = current; return 0; }
+int cuCtxSetCurrent(void *ctx) { current = ctx; return 0; }
+int cuDeviceGet(int *dev, int ordinal) { *dev = ordinal; return 0; }
+int cuDevicePrimaryCtxRetain(void **ctx, int dev) { *ctx = (void *)(intptr_t)(dev + 1); return 0; }
+int cuMemAlloc_v2(uint64_t *p, size_t n) {
+    if (!current) return 201;
+    if (held + (int64_t)n > capacity) return 2;
+    held += n; *p = (uint64_t)(uintptr_t)malloc(n); return 0;
+}
+int cuMemFree_v2(uint64_t p) { if (!current) return 201; free((void *)(uintptr_t)p); return 0; }
+int cuCtxSynchronize(void) { return current ? 0 : 201; }
+int cuEventCreate(void **e, unsigned f) { *e = malloc(1); return current ? 0 : 201; }
+int cuEventRecord(void *e, void *s) { return 0; }
+int cuEventQuery(void *e) { return 0; }
+int cuEventDestroy_v2(void *e) { free(e); return 0; }
+"""
+
+DRIVER_CHECK = """
+import sys, threading
+from megatron.longseq.memo.allocator import PlannedAllocator
+alloc = PlannedAllocator("cuda")
+got = []
+thread = threading.Thread(target=lambda: got.append(alloc.malloc(4096)))  # a thread with no context
+thread.start(); thread.join()
+assert got[0], "the first allocation of a fresh thread failed"
+alloc.free(got[0], 4096)
+print("allocated", flush=True)
+alloc.malloc(1 << 21)  # more than the device holds: the process ends here
+print("returned")
+"""
+
+
+def test_the_cuda_backend_binds_a_context_and_ends_the_process_when_out_of_memory(tmp_path):
+    """The CUDA backend's driver calls, against a stand-in driver: a thread without a current context
+    (autograd's device thread before its first runtime call) still allocates, and a failed
+    allocation ends the process with one line instead of handing torch a NULL tensor."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    source = tmp_path / "fake_cuda.c"
+    source.write_text(FAKE_DRIVER)
+    driver = tmp_path / "libfakecuda.so"
+    subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", str(driver), str(source)], check=True)
+    proc = subprocess.run([sys.executable, "-c", DRIVER_CHECK], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "MEMO_LIBCUDA": str(driver)})
+    assert proc.stdout.split() == ["allocated"], proc.stdout + proc.stderr
+    assert proc.returncode == -signal.SIGABRT
+    assert "MEMO planned allocator: out of device memory for 2097152 bytes" in proc.stderr
