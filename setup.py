@@ -15,7 +15,7 @@ setup(
     # the planned allocator's C source, compiled on first use (memo/allocator.py)
     package_data={"megatron.longseq.memo": ["arena.c"]},
     install_requires=[
-        "torch>=2.4",
+        "torch>=2.5",  # SDPA enable_gqa; the cuDNN attention op with attn_bias and compute_log_sumexp
         "megatron-core>=0.16.1,<0.17",
         "numpy",
         "einops",

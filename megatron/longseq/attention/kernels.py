@@ -98,6 +98,11 @@ def _expand_kv(x: Tensor, hq: int) -> Tensor:
     return x if x.shape[1] == hq else x.repeat_interleave(hq // x.shape[1], dim=1)
 
 
+def _bshd(x: Tensor) -> Tensor:
+    """x [b, h, s, d] laid out [b, s, h, d]-contiguous in memory (a copy only where it is not)."""
+    return x if x.transpose(1, 2).is_contiguous() else x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def _reduce_kv_grad(dx: Tensor, hkv: int) -> Tensor:
     # [b, hq, s, d] -> [b, hkv, hq/hkv, s, d] -> sum over the query heads that shared a KV head.
     if dx.shape[1] == hkv:
@@ -221,8 +226,9 @@ class TorchCudnnKernel(AttentionKernel):
 
 
 class TorchCudaEfficientKernel(AttentionKernel):
-    """torch's memory-efficient kernel on CUDA: any float dtype (the fp32 path on GPU). It wants
-    equal head counts, so GQA KV heads are expanded here and their gradients summed back."""
+    """torch's memory-efficient kernel on CUDA: any float dtype (the fp32 path on GPU, and fp16/bf16
+    where no flash kernel runs). It wants equal head counts, so GQA KV heads are expanded here and
+    their gradients summed back."""
 
     name = "torch-cuda-efficient"
 
@@ -235,6 +241,10 @@ class TorchCudaEfficientKernel(AttentionKernel):
 
     def _backward(self, dout, q, k, v, out, lse, causal, scale):
         hq, hkv = q.shape[1], k.shape[1]
+        if q.dtype != torch.float32:
+            # in fp16/bf16 the kernel computes rowsum(dO o O) itself, reading out (and dout) with the
+            # row stride of a [b, s, h, d]-contiguous tensor whatever strides they carry
+            out, dout = _bshd(out), _bshd(dout)
         pad = (-lse.shape[-1]) % 32
         lse_p = torch.nn.functional.pad(lse, (0, pad)) if pad else lse
         seed = torch.zeros((), dtype=torch.int64, device=q.device)
@@ -311,6 +321,15 @@ class KernelEnv:
     def half(self) -> bool:
         return self.dtype in (torch.float16, torch.bfloat16)
 
+    def flash_refusal(self) -> Optional[str]:
+        """Why the flash kernels (torch's and flash-attn's, called without SDPA's padding) cannot take
+        this run (None: they can)."""
+        if tuple(self.capability) < (8, 0):
+            return f"they need an sm80 or newer GPU (found sm{self.capability[0]}{self.capability[1]})"
+        if self.head_dim % 8 or self.head_dim > 256:
+            return f"they need a head dim <= 256 and a multiple of 8 (got {self.head_dim})"
+        return None
+
     def cudnn_refusal(self) -> Optional[str]:
         """Why torch's cuDNN attention cannot take this run (None: it can)."""
         if not self.half:
@@ -348,9 +367,11 @@ def choose_kernel(backend: str, env: KernelEnv) -> str:
     on CPU every other value -> torch's CPU flash kernel;
     on CUDA:
       auto  -> fp16/bf16: Hopper or Blackwell (sm90/sm100): torch cuDNN attention, else flash-attn,
-               else torch's flash kernel; older GPUs: flash-attn, else torch's flash kernel.
-               fp32: torch's memory-efficient kernel. (torch's SDPA, too, puts cuDNN first on
-               sm90/sm100 with a recent cuDNN, flash first elsewhere.)
+               else torch's flash kernel; older GPUs: flash-attn, else torch's flash kernel; where
+               no flash kernel can run (before sm80, a head dim not a multiple of 8 or above
+               256): torch's memory-efficient kernel. fp32: torch's memory-efficient kernel.
+               (torch's SDPA, too, puts cuDNN first on sm90/sm100 with a recent cuDNN, flash first
+               elsewhere, the memory-efficient kernel last.)
       flash -> flash-attn if installed, else torch's flash kernel (fp16/bf16 only);
       fused -> torch cuDNN attention for fp16/bf16 (Megatron's "fused" is TE's cuDNN attention),
                torch's memory-efficient kernel for fp32."""
@@ -368,6 +389,11 @@ def choose_kernel(backend: str, env: KernelEnv) -> str:
         return TorchCudaEfficientKernel.name
     if backend == "auto" and env.capability[0] in (9, 10) and env.cudnn_refusal() is None:
         return TorchCudnnKernel.name
+    refusal = env.flash_refusal()
+    if refusal is not None:
+        if backend == "flash":
+            raise ValueError(f"--attention-backend flash: the flash kernels cannot run here: {refusal}")
+        return TorchCudaEfficientKernel.name
     if env.flash_attn_version is None:
         return TorchCudaFlashKernel.name
     check_flash_attn_version(env.flash_attn_version)  # it is the one that would run

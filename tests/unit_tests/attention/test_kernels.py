@@ -130,6 +130,9 @@ def _env(**changes):
     ("auto", _env(capability=(8, 0)), "torch-cuda-flash"),  # Ampere: flash first, as torch orders it
     ("auto", _env(capability=(8, 0), flash_attn_version="2.7.4.post1"), "flash-attn"),
     ("auto", _env(dtype=torch.float32), "torch-cuda-efficient"),
+    ("auto", _env(capability=(7, 5), flash_attn_version="2.8.3"), "torch-cuda-efficient"),  # before sm80
+    ("auto", _env(head_dim=100), "torch-cuda-efficient"),  # no flash kernel takes d % 8 != 0 unpadded
+    ("auto", _env(head_dim=320, flash_attn_version="2.8.3"), "torch-cuda-efficient"),  # nor d > 256
     ("flash", HOPPER, "torch-cuda-flash"),
     ("flash", _env(flash_attn_version="2.8.3"), "flash-attn"),
     ("fused", HOPPER, "torch-cudnn"),
@@ -143,6 +146,8 @@ def test_kernel_choice(backend, env, kernel):
     ("auto", _env(flash_attn_version="2.6.3", capability=(8, 0)), "flash-attn 2.6.3 is installed"),
     ("flash", _env(flash_attn_version="2.9.0"), "flash-attn 2.9.0 is installed"),
     ("flash", _env(dtype=torch.float32), "needs fp16/bf16"),
+    ("flash", _env(head_dim=100), "a head dim <= 256 and a multiple of 8"),
+    ("flash", _env(capability=(7, 0)), "sm80 or newer GPU .found sm70"),
     ("fused", _env(deterministic=True), "not deterministic"),
     ("fused", _env(cudnn_version=8907), "cuDNN >= 9"),
 ])
@@ -208,3 +213,25 @@ def test_a_strided_lse_never_reaches_a_kernel():
     wide = torch.cat([lse, lse], dim=2)[:, :, 8:]  # what the ring once handed the backward
     with pytest.raises(KernelContractError, match="lse must be a contiguous"):
         TorchCpuFlashKernel().backward(torch.ones_like(out), q, q, q, out, wide, True, 0.5)
+
+
+@pytest.mark.parametrize("dtype, copied", [(torch.bfloat16, True), (torch.float32, False)])
+def test_efficient_kernel_hands_its_half_backward_out_laid_out_by_sequence(monkeypatch, dtype, copied):
+    """In fp16/bf16 torch's memory-efficient backward computes rowsum(dO o O) inside the kernel and
+    reads out with a [b, s, h, d]-contiguous row stride whatever strides it carries: out and dout
+    must arrive laid out so, with their values (fp32 computes that sum with strided torch ops)."""
+    seen = {}
+
+    def fake_backward(dout, q, k, v, bias, out, lse, *rest, **kw):
+        seen.update(out=out, dout=dout)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None
+
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_efficient_attention_backward", fake_backward)
+    b, h, s, d = 2, 4, 16, 8
+    q, k, v, out, dout = (torch.randn(b, h, s, d, dtype=dtype) for _ in range(5))  # [b, h, s, d]-contiguous
+    lse = torch.randn(b, h, s)
+    TorchCudaEfficientKernel()._backward(dout, q, k, v, out, lse, True, 0.3)
+    for name, given in (("out", out), ("dout", dout)):
+        got = seen[name]
+        assert torch.equal(got, given)
+        assert got.transpose(1, 2).is_contiguous() == copied and (got is given) != copied, name
