@@ -23,16 +23,27 @@ Event = Tuple[int, Optional[torch.cuda.Event]]  # (sequence number, the CUDA eve
 HOST = {"now": 0, "peak": 0}  # bytes of host memory MEMO holds (pinned on GPU)
 
 
-def _give_back(nbytes: int) -> None:
+def _give_back(nbytes: int, pinned_at: Optional[int]) -> None:
+    if pinned_at is not None:
+        torch.cuda.cudart().cudaHostUnregister(pinned_at)
     HOST["now"] -= nbytes
 
 
 def host_empty(nbytes: int, pin: bool) -> torch.Tensor:
-    """`nbytes` of host memory (pinned when `pin`), counted until the tensor is freed."""
-    t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    """`nbytes` of host memory (pinned when `pin`), counted until the tensor is freed. Pinned by
+    registering plain memory with CUDA, not through torch's pinned allocator: that one rounds every
+    request up to a power of two and keeps freed blocks, so a pool and a budget counted in bytes
+    asked for would pin up to twice as much and keep it."""
+    t = torch.empty(nbytes, dtype=torch.uint8)
+    pinned_at = None
+    if pin and nbytes:
+        rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
+        if int(rc) != 0:
+            raise RuntimeError(f"MEMO: cannot pin {nbytes} bytes of host memory (cudaHostRegister error {int(rc)})")
+        pinned_at = t.data_ptr()
     HOST["now"] += nbytes
     HOST["peak"] = max(HOST["peak"], HOST["now"])
-    weakref.finalize(t, _give_back, nbytes)
+    weakref.finalize(t, _give_back, nbytes, pinned_at)
     return t
 
 

@@ -220,3 +220,33 @@ def test_layer_states_are_freed_after_backward():
     gc.collect()
     alive = [s for s in states if s() is not None and s() is not s().memo.last]
     assert len(states) == 4 and not alive  # only the runtime's pointer to the last layer may remain
+
+
+def test_pinned_host_memory_is_exactly_what_was_asked_and_unpinned_when_freed(monkeypatch):
+    """On a GPU the host pool is plain memory registered with CUDA: torch's pinned allocator would
+    round it up to a power of two (a 33 GiB pool pins 64 GiB) and keep it cached after the free."""
+    from megatron.longseq.memo import streams
+
+    calls = []
+
+    class Cudart:
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append(("register", ptr, size))
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
+    nbytes = 3 * 2**20 + 512  # not a power of two
+    before = streams.HOST["now"]
+    t = streams.host_empty(nbytes, pin=True)
+    ptr = t.data_ptr()
+    assert calls == [("register", ptr, nbytes)] and t.numel() == nbytes
+    assert streams.HOST["now"] - before == nbytes
+    del t
+    gc.collect()
+    assert calls[1:] == [("unregister", ptr)] and streams.HOST["now"] == before
+    streams.host_empty(4096, pin=False)
+    assert len(calls) == 2  # unpinned on CPU
