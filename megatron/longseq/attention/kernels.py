@@ -194,20 +194,33 @@ class TorchCudnnKernel(AttentionKernel):
 
     cuDNN before 9.26 returns non-finite dQ for non-causal blocks with sk % 128 == 64 on sm90
     (pytorch#196678; torch's dispatcher routes such calls elsewhere, but we call the op directly):
-    those blocks go to torch's flash kernel, which is exact for them."""
+    those blocks go to torch's flash kernel, which is exact for them.
+
+    torch builds a cuDNN graph for every new shape (tens to hundreds of ms each) and keeps it.
+    Packed documents and per-micro-batch segments make shapes without end (every document piece
+    is its own (sq, sk)): past MAX_SHAPES distinct shapes, a new one goes to torch's flash kernel,
+    which takes any shape at no set-up cost. A shape keeps its kernel from its first call on, so a
+    backward runs the kernel of its forward."""
 
     name = "torch-cudnn"
+    MAX_SHAPES = 64
 
     def __init__(self):
         self._lse_rank: Optional[int] = None  # learnt from the first forward
         self._fallback = TorchCudaFlashKernel()
+        self._shapes = set()  # the shapes cuDNN has been given (a graph each)
 
-    @staticmethod
-    def _unsafe(k, causal) -> bool:
-        return not causal and k.shape[2] % 128 == 64
+    def _cudnn_takes(self, q, k, causal, admit: bool) -> bool:
+        """Whether this call goes to cuDNN; a forward (admit) may take a new shape while there is room."""
+        if not causal and k.shape[2] % 128 == 64:
+            return False
+        shape = (tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), causal)  # what a graph is built for
+        if admit and len(self._shapes) < self.MAX_SHAPES:
+            self._shapes.add(shape)
+        return shape in self._shapes
 
     def _forward(self, q, k, v, causal, scale):
-        if self._unsafe(k, causal):
+        if not self._cudnn_takes(q, k, causal, admit=True):
             return self._fallback._forward(q, k, v, causal, scale)
         res = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
         out, lse = res[0], res[1]
@@ -215,7 +228,7 @@ class TorchCudnnKernel(AttentionKernel):
         return out, lse.view(q.shape[:3])  # [b, h, s(, 1)] -> [b, h, s]
 
     def _backward(self, dout, q, k, v, out, lse, causal, scale):
-        if self._unsafe(k, causal) or self._lse_rank is None:
+        if not self._cudnn_takes(q, k, causal, admit=False) or self._lse_rank is None:
             return self._fallback._backward(dout, q, k, v, out, lse, causal, scale)
         # philox seed and offset: one-element zeros, as the forward makes them; unused at p = 0
         seed = torch.zeros(1, dtype=torch.int64, device=q.device)

@@ -235,3 +235,32 @@ def test_efficient_kernel_hands_its_half_backward_out_laid_out_by_sequence(monke
         got = seen[name]
         assert torch.equal(got, given)
         assert got.transpose(1, 2).is_contiguous() == copied and (got is given) != copied, name
+
+
+def test_cudnn_builds_graphs_for_a_bounded_number_of_shapes(monkeypatch):
+    """Packed documents give every piece its own shape, and torch builds (and keeps) a cuDNN graph
+    per shape: past MAX_SHAPES the new shapes go to the flash kernel, and each shape's backward runs
+    where its forward ran."""
+    ran = []
+
+    def op(name, result):
+        def call(*a, **kw):
+            ran.append((name, a[1].shape[2]))  # (kernel op, the call's key length)
+            return result(*a)
+        monkeypatch.setattr(torch.ops.aten, name, call)
+
+    op("_scaled_dot_product_cudnn_attention", lambda q, *_: (torch.zeros_like(q), torch.zeros(q.shape[:3])))
+    op("_scaled_dot_product_flash_attention", lambda q, *_: (torch.zeros_like(q), torch.zeros(q.shape[:3])))
+    op("_scaled_dot_product_cudnn_attention_backward", lambda dout, q, k, v, *_: (q, k, v))
+    op("_scaled_dot_product_flash_attention_backward", lambda dout, q, k, v, *_: (q, k, v))
+    monkeypatch.setattr(TorchCudnnKernel, "MAX_SHAPES", 3)
+    kernel = TorchCudnnKernel()
+    lengths = [8, 16, 8, 24, 32, 40, 16, 32]  # 5 distinct shapes, some again
+    for s in lengths:
+        q = torch.zeros(1, 2, s, 8)
+        out, lse = kernel._forward(q, q, q, True, 1.0)
+        kernel._backward(out, q, q, q, out, lse, True, 1.0)
+    cudnn = {8, 16, 24}  # the first three shapes seen
+    assert ran == [x for s in lengths for x in (
+        [("_scaled_dot_product_cudnn_attention", s), ("_scaled_dot_product_cudnn_attention_backward", s)] if s in cudnn
+        else [("_scaled_dot_product_flash_attention", s), ("_scaled_dot_product_flash_attention_backward", s)])]
