@@ -47,6 +47,7 @@ class AttentionInputs(PackedSeqParams):
     document_starts: Optional[torch.Tensor] = None  # [b, S] packed documents of the whole samples
     segment_lengths: Optional[List[int]] = None  # the Seq1F1B segments they chose (None: the run's)
     _documents: Optional[DocumentLayout] = None  # built from them by the first layer, for all
+    _dense_mask: Optional[torch.Tensor] = None  # the same as a [b, 1, S, S] mask, on the device (SDPA)
 
     def __post_init__(self):
         if self.qkv_format is None:
@@ -58,6 +59,12 @@ class AttentionInputs(PackedSeqParams):
             lengths = self.segment_lengths if self.segment_lengths is not None else cp.segment_lengths
             self._documents = DocumentLayout(self.document_starts, cp.ring.size, lengths)
         return self._documents
+
+    def dense_mask(self, device: torch.device) -> torch.Tensor:
+        """The documents as a dense mask for torch's SDPA, made on the device by the first layer."""
+        if self._dense_mask is None:
+            self._dense_mask = dense_document_mask(self.document_starts.to(device))
+        return self._dense_mask
 
 
 class LongSeqCoreAttention(MegatronModule):
@@ -132,8 +139,8 @@ class LongSeqCoreAttention(MegatronModule):
             if self.cp.size > 1 or params.segment is not None:
                 raise ValueError("attention dropout and dense attention masks need --context-parallel-size 1 "
                                  "and --pipe-sp-splits 1")
-            if attention_mask is None and params.document_starts is not None:  # the starts live on the host
-                attention_mask = dense_document_mask(params.document_starts).to(query.device)
+            if attention_mask is None and params.document_starts is not None:
+                attention_mask = params.dense_mask(query.device)
             out = self._sdpa(*(x.permute(1, 2, 0, 3) for x in (query, key, value)), attention_mask, dropout)
             return out.permute(2, 0, 1, 3).reshape(sq, b, -1), None  # [b, h, s, d] -> [s, b, h*d]
         out, lse = self._two_d(query, key, value, params, kept)
@@ -218,8 +225,18 @@ def _is_thd(params) -> bool:
 def thd_inputs(params: PackedSeqParams, tokens: int, cp: ContextParallel) -> AttentionInputs:
     """megatron-core's PackedSeqParams (qkv_format 'thd', one pack of `tokens` tokens whose
     documents end at cu_seqlens) as our metadata: document starts, and positions restarting at
-    every document. Context parallelism places packed documents itself (the data loader's
-    placement), so a pack sharded elsewhere is refused."""
+    every document. Made once per pack and kept on it: every layer gets the same object, and with it
+    the documents' layout and RoPE tables the first layer builds (and one host read of cu_seqlens)."""
+    made = getattr(params, "_longseq_inputs", None)
+    if made is None or made[0] != tokens:
+        made = (tokens, _thd_inputs(params, tokens, cp))
+        params._longseq_inputs = made
+    return made[1]
+
+
+def _thd_inputs(params: PackedSeqParams, tokens: int, cp: ContextParallel) -> AttentionInputs:
+    # Context parallelism places packed documents itself (the data loader's placement), so a pack
+    # sharded elsewhere is refused.
     cu = params.cu_seqlens_q
     if cp.size > 1:
         raise ValueError("megatron-core's packed 'thd' batches work at --context-parallel-size 1; with context "
@@ -227,11 +244,12 @@ def thd_inputs(params: PackedSeqParams, tokens: int, cp: ContextParallel) -> Att
     for other in (params.cu_seqlens_kv, params.cu_seqlens_q_padded, params.cu_seqlens_kv_padded):
         if other is not None and not torch.equal(other, cu):
             raise ValueError("packed 'thd' batches need the same cu_seqlens for queries and keys, unpadded")
+    begins = cu[:-1].cpu().long()  # where each document begins; one device-to-host read
     starts = torch.zeros(1, tokens, dtype=torch.bool)
-    starts[0, cu[:-1].cpu().long()] = True
+    starts[0, begins] = True
     starts[0, 0] = True
-    first = torch.searchsorted(cu[:-1].cpu().long(), torch.arange(tokens), right=True) - 1
-    positions = torch.arange(tokens) - cu[:-1].cpu().long()[first.clamp(min=0)]
+    first = torch.searchsorted(begins, torch.arange(tokens), right=True) - 1
+    positions = torch.arange(tokens) - begins[first.clamp(min=0)]
     return AttentionInputs(position_ids=positions.unsqueeze(0).to(cu.device), document_starts=starts)
 
 

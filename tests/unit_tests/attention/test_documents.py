@@ -367,3 +367,38 @@ def test_megatron_core_packed_thd_batches_attend_by_their_cu_seqlens():
     with pytest.raises(ValueError, match="same cu_seqlens"):
         attn(q, k, v, None, packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu,
                                                               cu_seqlens_kv=torch.tensor([0, 24], dtype=torch.int32)))
+
+
+def test_per_batch_metadata_is_made_once_for_all_layers(monkeypatch):
+    """Every layer gets the same packed 'thd' params (their conversion, a host read of cu_seqlens,
+    and the documents' layout are made by the first) and the same dense mask for SDPA's dropout
+    path (made on the device once, not on the host and copied per layer)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.longseq.attention import core
+
+    made = {"thd": 0, "mask": 0}
+
+    def counted(name, fn):
+        def call(*a):
+            made[name] += 1
+            return fn(*a)
+        return call
+    monkeypatch.setattr(core, "_thd_inputs", counted("thd", core._thd_inputs))
+    monkeypatch.setattr(core, "dense_document_mask", counted("mask", core.dense_document_mask))
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(24, n, 16, generator=gen) for n in (4, 2, 2))
+    cu = torch.tensor([0, 5, 16, 24], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    layers = [module(config()) for _ in range(3)]
+    outs = [attn(q, k, v, None, packed_seq_params=params) for attn in layers]
+    assert made["thd"] == 1 and all(torch.equal(o, outs[0]) for o in outs)
+    from megatron.longseq.random import seed_everything
+
+    seed_everything(0, 0, torch.device("cpu"))  # attention dropout draws from the model-parallel stream
+    dropout = config()
+    dropout.attention_dropout = 0.1  # training with attention dropout: SDPA with the dense mask
+    inputs = AttentionInputs(position_ids=torch.arange(S).expand(B, S), document_starts=case_starts("random"))
+    q, k, v = (torch.randn(S, B, n, 16, generator=gen) for n in (4, 2, 2))
+    for _ in range(3):
+        module(dropout)(q, k, v, None, packed_seq_params=inputs)
+    assert made["mask"] == 1
