@@ -358,11 +358,12 @@ class LayerState:
             return
         streams, b = self.memo.streams, self.buffer
         # the buffer is free once the backward of the layer before in it (i+2) is over: it was
-        # issued on the compute stream before now; and the offloads in flight (this layer's, or a
-        # newer forward's staged in this buffer) run in order: the newest one covers them all
+        # issued on the compute stream before now; and once the offloads that read it are done
+        # (this layer's, or a newer forward's staged in this buffer): they run in order, so the
+        # buffer's newest covers them all and this layer's host block; the other buffer's offloads
+        # touch neither
         streams.wait("prefetch", streams.event("compute"))
         streams.wait("prefetch", self.memo.buffers.offloaded[b])
-        streams.wait("prefetch", self.memo.buffers.offloaded[1 - b])
         streams.access("write", "prefetch", b, self.id)
         streams.access("read", "prefetch", ("host", self.held[0]), self.id)
         for item in (item for item in self.items if item.sent_bytes):
