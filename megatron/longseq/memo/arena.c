@@ -10,8 +10,9 @@
  *     outlives the iteration), and the window marks ("begin fwd L3", ...) with the request index at
  *     which each fell.
  *   - Inside an iteration (arena_iteration), the k-th request is checked against the plan's k-th
- *     entry: same size and an arena offset -> that address. A size that differs, or a planned range
- *     that overlaps a block still alive, stops the replay (counted) and the cache serves what
+ *     entry: no larger and an arena offset -> that address (smaller: a shorter micro-batch or
+ *     Seq1F1B segment than the profiled one, inside the planned range). A larger size, or a planned
+ *     range that overlaps a block still alive, stops the replay (counted) and the cache serves what
  *     follows, up to the next window mark: a mark puts the replay back at the request index the
  *     plan recorded for it. A divergence costs memory until the next mark, never correctness.
  *   - Only requests on the iteration's stream are replayed at the plan's offsets; requests from
@@ -359,7 +360,7 @@ static void diverge(void) {
 }
 
 static char *planned_alloc(int64_t size, void *stream) {
-    if (diverged || position >= plan_n || plan_sizes[position] != size) {
+    if (diverged || position >= plan_n || size > plan_sizes[position]) {
         diverge();
         return NULL;
     }

@@ -279,3 +279,20 @@ def test_the_cuda_backend_binds_a_context_and_ends_the_process_when_out_of_memor
     assert proc.stdout.split() == ["allocated"], proc.stdout + proc.stderr
     assert proc.returncode == -signal.SIGABRT
     assert "MEMO planned allocator: out of device memory for 2097152 bytes" in proc.stderr
+
+
+def test_smaller_requests_replay_at_their_planned_places(traced):
+    """Shorter micro-batches or Seq1F1B segments than the profiled ones ask for less at every
+    request: each still lands where the plan put it, with no divergence."""
+    trace, plan = traced
+    alloc = PlannedAllocator("heap")
+    alloc.load(plan.replay)
+    smaller = Trace([(kind, tid, size - size // 8 if kind in ("malloc", "free") else size)
+                     for kind, tid, size in trace.events])
+    replay = Replayer(alloc)
+    replay.iteration(smaller)
+    stats = alloc.stats()
+    assert stats["divergences"] == 0 and stats["overlap_refusals"] == 0
+    placed = _placed(trace)
+    for tid in placed:
+        assert replay.addresses[tid] == alloc.base + plan.offsets[tid], tid
