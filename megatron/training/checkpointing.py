@@ -104,7 +104,8 @@ def _model_states(chunks) -> dict:
     # Copied: parameters are views of the flat DDP buffer; the file should hold each tensor alone.
     # To the host: a copy of the whole model on the device could overflow it during the save.
     # Unwrapped (no bf16 wrapper prefix), as Megatron saves.
-    return {key: {k: (v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v) for k, v in model.state_dict().items()}
+    return {key: {k: (v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v)
+                  for k, v in model.state_dict().items()}
             for key, model in zip(model_keys(chunks), unwrap(chunks))}
 
 

@@ -37,7 +37,8 @@ from megatron.longseq.memo.trace import Trace
 SOURCE = Path(__file__).with_name("arena.c")
 STATS = ("planned_allocs", "planned_bytes", "cached_allocs", "cache_hits", "divergences",
          "overlap_refusals", "retries", "failed_allocs", "backend_bytes", "allocated_bytes",
-         "peak_allocated_bytes", "cached_free_bytes", "pending_bytes", "marks_matched", "peak_backend_bytes", "device_syncs")
+         "peak_allocated_bytes", "cached_free_bytes", "pending_bytes", "marks_matched", "peak_backend_bytes",
+         "device_syncs")
 _I64 = ctypes.c_int64
 INSTALLED: Optional["PlannedAllocator"] = None  # the process's CUDA allocator, once installed
 
