@@ -109,6 +109,15 @@ class Piece:
     sample: Optional[int] = None
 
 
+class Pieces(list):
+    """A block's pieces, with what a kernel makes of them kept beside (varlen.py's plans, by
+    shape and device): a layout hands every layer the same list, so they are made once a batch."""
+
+    def __init__(self, pieces=()):
+        super().__init__(pieces)
+        self.plans: dict = {}
+
+
 @dataclass(frozen=True)
 class _Run:
     """Consecutive tokens [start, end) of one document, at rows [row, row + end - start)."""

@@ -49,6 +49,53 @@ def contract_violations(q, k, v, out=None, lse=None, dout=None) -> List[str]:
     return problems
 
 
+@dataclass(frozen=True)
+class Varlen:
+    """Sequences packed back to back for one variable-length call (flash-attn's cu_seqlens):
+    sequence i is query rows cu_q[i]:cu_q[i+1] against key rows cu_k[i]:cu_k[i+1], all causal
+    (squares, sq == sk) or all full. cu_q, cu_k: int32 [n + 1] on the kernel's device; the
+    sizes are host ints, so neither a call nor its checks read the device."""
+
+    cu_q: Tensor
+    cu_k: Tensor
+    max_q: int
+    max_k: int
+    total_q: int
+    total_k: int
+    causal: bool
+
+
+def varlen_violations(q, k, v, seqs: Varlen, out=None, lse=None, dout=None) -> List[str]:
+    """What in a variable-length call breaks flash-attn's mha_varlen contract: q [Tq, hq, d], k and v
+    [Tk, hkv, d], out and dout like q, with a unit last stride; lse a contiguous float32 [hq, Tq]
+    (read through a raw pointer); cu_seqlens contiguous int32 on q's device."""
+    problems = [f"{name} needs [tokens, heads, d] with a unit last stride, got shape {tuple(t.shape)} "
+                f"strides {t.stride()}" for name, t in (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout))
+                if t is not None and (t.dim() != 3 or t.stride(-1) != 1)]
+    if problems:
+        return problems
+    if (q.shape[0], k.shape[0]) != (seqs.total_q, seqs.total_k) or k.shape != v.shape or q.shape[1] % k.shape[1]:
+        problems.append(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not hold "
+                        f"{seqs.total_q} query and {seqs.total_k} key rows with heads dividing q's")
+    problems += [f"{name} must be a contiguous int32 vector on {q.device}, got {cu.dtype} {list(cu.shape)} on "
+                 f"{cu.device}" for name, cu in (("cu_q", seqs.cu_q), ("cu_k", seqs.cu_k))
+                 if cu.dtype != torch.int32 or cu.dim() != 1 or not cu.is_contiguous() or cu.device != q.device]
+    if seqs.cu_q.shape != seqs.cu_k.shape:
+        problems.append(f"cu_q {list(seqs.cu_q.shape)} and cu_k {list(seqs.cu_k.shape)} count different sequences")
+    want = [q.shape[1], q.shape[0]]
+    if lse is not None and (lse.dtype != torch.float32 or list(lse.shape) != want or not lse.is_contiguous()):
+        problems.append(f"lse must be a contiguous float32 [hq, Tq] = {want} tensor, got {lse.dtype} "
+                        f"{list(lse.shape)} strides {lse.stride()}")
+    return problems + [f"{name} {tuple(t.shape)} must match q {tuple(q.shape)}"
+                       for name, t in (("out", out), ("dout", dout)) if t is not None and t.shape != q.shape]
+
+
+def check_varlen(q, k, v, seqs: Varlen, out=None, lse=None, dout=None) -> None:
+    problems = varlen_violations(q, k, v, seqs, out, lse, dout)
+    if problems:
+        raise KernelContractError("variable-length attention contract: " + "; ".join(problems))
+
+
 def same_layout(a: Tensor, b: Tensor) -> bool:
     """Same shape and the same strides, except over dims of size 1 (where a stride means nothing:
     a micro-batch of 1 is laid out alike whatever stride its batch dim carries)."""
@@ -80,7 +127,24 @@ class AttentionKernel:
 
     def backward(self, dout, q, k, v, out, lse, causal: bool, scale: float) -> Tuple[Tensor, Tensor, Tensor]:
         check_contract(q, k, v, out, lse, dout)
-        dq, dk, dv = self._backward(dout, q, k, v, out, lse, causal, scale)
+        return self._checked_grads(self._backward(dout, q, k, v, out, lse, causal, scale), q, k, v)
+
+    # A variable-length entry (varlen = True): many sequences in one call (varlen.py), layout
+    # [tokens, heads, d]; lse [hq, Tq] float32.
+    varlen = False
+
+    def forward_varlen(self, q: Tensor, k: Tensor, v: Tensor, seqs: Varlen, scale: float) -> Tuple[Tensor, Tensor]:
+        check_varlen(q, k, v, seqs)
+        out, lse = self._forward_varlen(q, k, v, seqs, scale)
+        check_varlen(q, k, v, seqs, out, lse)
+        return out, lse
+
+    def backward_varlen(self, dout, q, k, v, out, lse, seqs: Varlen, scale: float) -> Tuple[Tensor, Tensor, Tensor]:
+        check_varlen(q, k, v, seqs, out, lse, dout)
+        return self._checked_grads(self._backward_varlen(dout, q, k, v, out, lse, seqs, scale), q, k, v)
+
+    def _checked_grads(self, grads, q, k, v):
+        dq, dk, dv = grads
         if (dq.shape, dk.shape, dv.shape) != (q.shape, k.shape, v.shape):
             raise KernelContractError(f"{self.name} backward returned {tuple(dq.shape)}, {tuple(dk.shape)}, "
                                       f"{tuple(dv.shape)} for q {tuple(q.shape)}, k/v {tuple(k.shape)}")
@@ -90,6 +154,12 @@ class AttentionKernel:
         raise NotImplementedError
 
     def _backward(self, dout, q, k, v, out, lse, causal, scale):
+        raise NotImplementedError
+
+    def _forward_varlen(self, q, k, v, seqs, scale):
+        raise NotImplementedError
+
+    def _backward_varlen(self, dout, q, k, v, out, lse, seqs, scale):
         raise NotImplementedError
 
 
@@ -184,6 +254,22 @@ class TorchCudaFlashKernel(AttentionKernel):
             dout, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, empty, empty, scale=scale,
         )
 
+    # Its varlen entry (torch's nested-tensor path, mha_varlen_fwd/bwd): q [Tq, hq, d] with any
+    # row and head strides, lse [hq, Tq]; causal is bottom-right aligned, the same as top-left for
+    # the squares it is given.
+    varlen = True
+
+    def _forward_varlen(self, q, k, v, seqs, scale):
+        res = torch.ops.aten._flash_attention_forward(
+            q, k, v, seqs.cu_q, seqs.cu_k, seqs.max_q, seqs.max_k, 0.0, seqs.causal, False, scale=scale)
+        return res[0], res[1]  # (output, logsumexp, rng_state, unused, debug_attn_mask)
+
+    def _backward_varlen(self, dout, q, k, v, out, lse, seqs, scale):
+        empty = torch.empty(0, dtype=torch.int64, device=q.device)  # philox state: unused, p = 0
+        return torch.ops.aten._flash_attention_backward(
+            dout, q, k, v, out, lse, seqs.cu_q, seqs.cu_k, seqs.max_q, seqs.max_k, 0.0, seqs.causal, empty, empty,
+            scale=scale)
+
 
 class TorchCudnnKernel(AttentionKernel):
     """torch's cuDNN attention (fp16/bf16, cuDNN >= 9): native GQA, and on Hopper the fastest kernel
@@ -226,6 +312,16 @@ class TorchCudnnKernel(AttentionKernel):
         out, lse = res[0], res[1]
         self._lse_rank = lse.dim()
         return out, lse.view(q.shape[:3])  # [b, h, s(, 1)] -> [b, h, s]
+
+    # Packed documents go to torch's flash varlen entry: one call for many pieces, and no graph to
+    # build per shape (cuDNN's own ragged entry is for nested tensors, and builds graphs too).
+    varlen = True
+
+    def _forward_varlen(self, q, k, v, seqs, scale):
+        return self._fallback._forward_varlen(q, k, v, seqs, scale)
+
+    def _backward_varlen(self, dout, q, k, v, out, lse, seqs, scale):
+        return self._fallback._backward_varlen(dout, q, k, v, out, lse, seqs, scale)
 
     def _backward(self, dout, q, k, v, out, lse, causal, scale):
         if not self._cudnn_takes(q, k, causal, admit=False) or self._lse_rank is None:

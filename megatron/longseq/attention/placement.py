@@ -17,7 +17,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from megatron.longseq.attention.documents import (Piece, balanced_ring_tokens, block_pieces, document_ids,
+from megatron.longseq.attention.documents import (Piece, Pieces, balanced_ring_tokens, block_pieces, document_ids,
                                                    document_starts)
 
 DOCUMENT_STARTS = "document_starts"  # the batch key of the whole samples' document starts [b, S]
@@ -141,7 +141,7 @@ class DocumentLayout:
         self.offsets = [sum(lengths[:i]) for i in range(len(lengths) + 1)]
         self.ring = ring
         self._tokens: Dict[tuple, List[torch.Tensor]] = {}
-        self._pieces: Dict[tuple, List[Piece]] = {}
+        self._pieces: Dict[tuple, Pieces] = {}
         self.routes: Dict[tuple, object] = {}  # ring.py's transfer routes, by segment pair
 
     def tokens(self, sample: int, segment: int, position: int) -> torch.Tensor:
@@ -157,9 +157,9 @@ class DocumentLayout:
         k_segment, for every sample of the micro-batch."""
         key = (q_segment, k_segment, j, src)
         if key not in self._pieces:
-            self._pieces[key] = [replace(p, sample=b) for b in range(self.starts.shape[0])
-                                 for p in block_pieces(self.tokens(b, q_segment, j), self.tokens(b, k_segment, src),
-                                                       self.doc_of[b])]
+            self._pieces[key] = Pieces(
+                replace(p, sample=b) for b in range(self.starts.shape[0])
+                for p in block_pieces(self.tokens(b, q_segment, j), self.tokens(b, k_segment, src), self.doc_of[b]))
         return self._pieces[key]
 
     def meeting(self, q_segment: int, k_segment: int) -> torch.Tensor:

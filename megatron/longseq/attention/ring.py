@@ -24,6 +24,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from megatron.longseq.attention import varlen
 from megatron.longseq.attention.comm import RingComm
 from megatron.longseq.attention.documents import Piece
 from megatron.longseq.attention.kernels import AttentionKernel, grad_like
@@ -109,6 +110,8 @@ def _first_block(q, kv, pieces, kernel: AttentionKernel, scale):
         return kernel.forward(*_piece_inputs(q, kv, pieces[0]), pieces[0].causal, scale)
     if sum(p.q1 - p.q0 for p in pieces) != q.shape[2] * (1 if pieces[0].sample is None else q.shape[0]):
         raise ValueError("the first block of a ring must cover every query row once")
+    if varlen.uses_varlen(kernel, pieces):
+        return varlen.first_block(q, kv, _plan(q, kv, pieces), kernel, scale)
     out, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
     for p in pieces:
         out[_batch(p), :, p.q0 : p.q1], lse[_batch(p), :, p.q0 : p.q1] = kernel.forward(
@@ -121,10 +124,16 @@ def block_forward(q, kv, pieces: List[Piece], kernel: AttentionKernel, scale, ou
     must be the diagonal one. A block without pieces is skipped: no kernel call."""
     if out is None:
         return _first_block(q, kv, pieces, kernel, scale)
+    if varlen.uses_varlen(kernel, pieces):
+        return varlen.block_forward(q, kv, _plan(q, kv, pieces), kernel, scale, out, lse)
     for p in pieces:
         block_out, block_lse = kernel.forward(*_piece_inputs(q, kv, p), p.causal, scale)
         out, lse = merge(out, lse, block_out, block_lse, p)
     return out, lse
+
+
+def _plan(q, kv, pieces):
+    return varlen.plan(pieces, q.shape[0], q.shape[2], kv[0].shape[2], q.device)
 
 
 def merge(out, lse, block_out, block_lse, piece: Piece):
@@ -168,6 +177,8 @@ class _Rows:
 def block_backward(q, kv, rows: _Rows, pieces: List[Piece], kernel: AttentionKernel, scale, dq):
     """Add the block's dq into `dq` (fp32, in place); return each piece's (piece, dK, dV) for
     add_block_grads."""
+    if varlen.uses_varlen(kernel, pieces):
+        return varlen.block_backward(q, kv, *rows.all, _plan(q, kv, pieces), kernel, scale, dq)
     grads = []
     for p in pieces:
         q_p, k_p, v_p = _piece_inputs(q, kv, p)
@@ -179,8 +190,12 @@ def block_backward(q, kv, rows: _Rows, pieces: List[Piece], kernel: AttentionKer
 
 
 def add_block_grads(acc, grads) -> None:
-    """acc [2, b, g, s, d] (fp32) += every piece's (dK, dV) on its key rows, in place."""
+    """acc [2, b, g, s, d] (fp32) += every piece's (dK, dV) on its key rows, in place (a
+    variable-length group's on its rows)."""
     for p, dk, dv in grads:
+        if isinstance(p, varlen.Group):
+            varlen.add_grads(acc, p, dk, dv)
+            continue
         acc[0, _batch(p), :, p.k0 : p.k1] += dk
         acc[1, _batch(p), :, p.k0 : p.k1] += dv
 

@@ -19,7 +19,7 @@ from megatron.longseq.attention.ledger import LEDGER
 from megatron.longseq.attention.placement import (DocumentLayout, local_token_indices, ring_chunks,
                                                    segmented_token_indices)
 from megatron.longseq.attention.segments import SegmentSlot, SegmentState
-from tests.unit_tests.attention.contract_kernel import ContractKernel
+from tests.unit_tests.attention.contract_kernel import ContractKernel, install_flash_varlen_stand_ins
 from tests.unit_tests.attention.test_context_parallel import ATOL_GRAD, ATOL_OUT, each_mode
 from tests.unit_tests.attention.test_core_attention import config, module, reference
 from tests.unit_tests.dist_utils import grid_groups, run_ranks
@@ -188,14 +188,17 @@ def per_sample(x, idx, dim):
     return torch.stack([x.select(dim + 1, b).index_select(dim, idx[b]) for b in range(B)], dim=dim + 1)
 
 
-def check_documents(pgs, heads, groups, starts, lengths=None):
+def check_documents(pgs, heads, groups, starts, lengths=None, varlen=False):
     """This rank's share (every segment of `lengths` in order, forward first to last, backward
-    last to first) against the reference; returns the kernel's call log."""
+    last to first) against the reference, attending per piece or (varlen) through torch's flash
+    varlen entry, stood in for on CPU; returns the kernel's call log."""
     (q, k, v, dout, positions), (ref, dq, dk, dv) = document_problem(heads, groups, starts)
     lengths = lengths or [S]
     cp = ContextParallel.from_process_groups(pgs, lengths)
     attn = LongSeqCoreAttention(config(heads, groups, d=D), layer_number=1, attn_mask_type=None, cp=cp)
-    attn._kernel = kernel = ContractKernel()
+    attn._kernel = kernel = ContractKernel(varlen=varlen)
+    if varlen:  # this rank's own process: nothing to restore
+        install_flash_varlen_stand_ins(setattr)
     state, runs, offset = SegmentState(), [], 0
     for s, n in enumerate(lengths):
         idx = [offset + local_token_indices(n, cp.hp_size, cp.ring.size, cp.hp_index, cp.ring.ring_index,
@@ -224,20 +227,22 @@ def check_documents(pgs, heads, groups, starts, lengths=None):
 AT_EIGHT = ("random", "shorter than a chunk", "spanning every rank")
 
 
-def _all_modes_all_cases(world):
+def _all_modes_all_cases(world, varlen):
     def every_case(pgs, heads, groups):
         for name in CASES if world < 8 else AT_EIGHT:
             try:
-                check_documents(pgs, heads, groups, case_starts(name))
+                calls = check_documents(pgs, heads, groups, case_starts(name), varlen=varlen)
             except AssertionError as err:
                 raise AssertionError(f"documents {name!r}: {err}") from None
+            assert varlen == ("FV" in calls and "BV" in calls) or name == "single document", (name, calls)
 
     each_mode(world, every_case)
 
 
+@pytest.mark.parametrize("varlen", [False, True], ids=["per-piece", "varlen"])
 @pytest.mark.parametrize("world", [2, 4, 8])
-def test_every_mode_matches_block_diagonal_attention(world):
-    run_ranks(_all_modes_all_cases, world, world)
+def test_every_mode_matches_block_diagonal_attention(world, varlen):
+    run_ranks(_all_modes_all_cases, world, world, varlen)
 
 
 def _segments_with_documents(world):
@@ -248,6 +253,7 @@ def _segments_with_documents(world):
                 continue
             for name in ("random", "longer than a rank's share", "ending mid-document"):
                 check_documents(pgs, 4, 2, case_starts(name), lengths)
+                check_documents(pgs, 4, 2, case_starts(name), lengths, varlen=True)
 
 
 @pytest.mark.parametrize("world", [2, 4])
