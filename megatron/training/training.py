@@ -101,16 +101,26 @@ def finalize_model_grads(buffer: GradBuffer, pgs, model_chunks, num_tokens: Opti
             dist.all_reduce(p.main_grad, group=pgs.embd)
     buffer.finish_grad_sync()
     if pgs.size("tp") > 1:
-        # Sequence parallel: norm weights saw only this rank's sequence shard.
-        for p in buffer.offsets:
-            if getattr(p, "sequence_parallel", False):
-                dist.all_reduce(p.main_grad, group=pgs.tp)
+        sum_sequence_parallel_grads(buffer.offsets, pgs.tp)
     if num_tokens is not None:  # --calculate-per-token-loss: divide by the global token count
         num_tokens = num_tokens.to(buffer.grad_data.device)
         if pgs.size("pp") > 1:  # only the last stage computed losses
             dist.broadcast(num_tokens, src=pgs.members["pp"][-1], group=pgs.pp)
         dist.all_reduce(num_tokens, group=pgs.dp_cp)
         buffer.grad_data.div_(num_tokens.clamp(min=1))
+
+
+def sum_sequence_parallel_grads(params, tp_group) -> None:
+    """Sequence parallel: norm weights saw only this rank's sequence shard, so their gradients are
+    summed over tp -- in one all-reduce of them all flattened (two per layer would each pay a
+    collective's latency for a vector of hidden-size elements)."""
+    grads = [p.main_grad for p in params if getattr(p, "sequence_parallel", False)]
+    if not grads:
+        return
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=tp_group)
+    for grad, summed in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        grad.copy_(summed)
 
 
 def build_pipeline(args, pgs) -> Pipeline:

@@ -241,3 +241,31 @@ def test_activation_meter_hooks_only_when_the_log_reports_them(monkeypatch):
     # none without measuring; then one per forward, the very same hook objects every iteration
     # (torch.compile guards on their identity)
     assert len(installed) == 4 and len(set(installed)) == 1
+
+
+# ---- sequence-parallel norm gradients ----------------------------------------------------------
+
+def _sequence_parallel_grads_in_one_all_reduce():
+    from megatron.training.training import sum_sequence_parallel_grads
+
+    pgs = grid_groups(tp=2)
+    rank = dist.get_rank()
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (3, 5, 4, 2)]
+    for i, p in enumerate(params):
+        p.sequence_parallel = i != 2  # one weight the tp ranks share whole (its gradient is the same)
+        p.main_grad = torch.arange(p.numel(), dtype=torch.float32) + 10 * i + 100 * rank
+    calls, real = [], dist.all_reduce
+    dist.all_reduce = lambda *a, **kw: calls.append(a[0].numel()) or real(*a, **kw)
+    try:
+        sum_sequence_parallel_grads(params, pgs.tp)
+    finally:
+        dist.all_reduce = real
+    assert calls == [3 + 5 + 2]  # one collective for every tagged gradient
+    for i, p in enumerate(params):
+        own = torch.arange(p.numel(), dtype=torch.float32) + 10 * i
+        want = own + 100 * rank if i == 2 else 2 * own + 100  # ranks 0 and 1 summed
+        assert torch.equal(p.main_grad, want), (i, p.main_grad)
+
+
+def test_sequence_parallel_norm_gradients_are_summed_in_one_all_reduce():
+    run_ranks(_sequence_parallel_grads_in_one_all_reduce, 2)
