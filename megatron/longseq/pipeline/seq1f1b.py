@@ -186,7 +186,7 @@ class _Runner:
         if vs > 0:
             inp = self.inbox["act"].get((c, m, s))
             inp.requires_grad_(not self.forward_only)
-        self.ready = time.time()  # the timeline shows waiting for the input as a gap
+        self._mark_ready()
         chunk = self.chunks[c]
         chunk.set_input_tensor(inp)
         with self.meter.forward((c, m, s)) if self.meter is not None else contextlib.nullcontext():
@@ -199,6 +199,14 @@ class _Runner:
             self.outbox["act"].send(output)
         if not self.forward_only:
             self.stored[(c, m, s)] = (inp, output)
+
+    def _mark_ready(self) -> None:
+        """When the op's input is in hand: the timeline shows waiting for it as a gap. On GPU a
+        receive's wait only orders the compute stream after NCCL's, so while a timeline is being
+        recorded the device is synchronized first (the input has then truly arrived)."""
+        if self.pipe.record_timeline and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.ready = time.time()
 
     def _loss_to_backprop(self, m: int, s: int):
         parts = self.losses[m][s]
@@ -216,7 +224,7 @@ class _Runner:
         inp, output = self.stored.pop((c, m, s))
         no_sync = self.config.no_sync_func if (self.config.no_sync_func and not last_of_chunk) else contextlib.nullcontext
         grad = None if vs == self.last_vs else self.inbox["grad"].get((c, m, s))
-        self.ready = time.time()
+        self._mark_ready()
         with no_sync():
             if grad is None:
                 loss = self._loss_to_backprop(m, s)

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megatron.longseq.pipeline import seq1f1b
 from megatron.longseq.pipeline.seq1f1b import Pipeline, forward_backward_seq1f1b
 from tests.unit_tests.dist_utils import init_single_rank_world
 
@@ -91,3 +92,16 @@ def test_forward_only_makes_no_gradients():
     model, reports, _, _ = run(False, forward_only=True)
     assert all(p.grad is None for p in model.parameters())
     assert model.finalized == [] and len(reports) == 3
+
+
+@pytest.mark.parametrize("recording", [True, False])
+def test_timeline_ready_waits_for_the_input_on_gpu(monkeypatch, recording):
+    """On GPU a receive's wait returns before the data is there (it orders streams): a recorded
+    timeline's `ready` is read after a device synchronize, and only while recording."""
+    order = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: order.append("synchronize"))
+    monkeypatch.setattr(seq1f1b.time, "time", lambda: order.append("clock") or 1.0)
+    runner = SimpleNamespace(pipe=SimpleNamespace(record_timeline=recording))
+    seq1f1b._Runner._mark_ready(runner)
+    assert order == (["synchronize", "clock"] if recording else ["clock"]) and runner.ready == 1.0
