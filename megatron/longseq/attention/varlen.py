@@ -123,10 +123,13 @@ def gather_lse(lse: Tensor, index: Index, whole: bool = False) -> Tensor:
     return lse.transpose(1, 2)[index].t().contiguous()  # [b, s, h][index] -> [T, h] -> [h, T]
 
 
-def _add_rows(x: Tensor, index: Index, rows: Tensor) -> None:
+def _add_rows(x: Tensor, index: Index, rows: Tensor, whole: bool = False) -> None:
     """x [b, h, s, d] += rows [T, h, d] at the index (distinct rows: a group's), in place."""
     tokens_first = x.transpose(1, 2)  # [b, s, h, d] view
-    tokens_first[index] = tokens_first[index] + rows
+    if whole:  # every row in order: one add, no gather or scatter
+        tokens_first.add_(rows.view(tokens_first.shape))
+    else:
+        tokens_first[index] = tokens_first[index] + rows
 
 
 # ---- forward ------------------------------------------------------------------------------------------
@@ -182,12 +185,12 @@ def block_backward(q, kv, dout, out, lse, groups: List[Group], kernel: Attention
         dq_g, dk_g, dv_g = kernel.backward_varlen(
             gather(dout, g.q, g.whole_q), gather(q, g.q, g.whole_q), gather(k, g.k, g.whole_k),
             gather(v, g.k, g.whole_k), gather(out, g.q, g.whole_q), gather_lse(lse, g.q, g.whole_q), g.seqs, scale)
-        _add_rows(dq, g.q, dq_g)
+        _add_rows(dq, g.q, dq_g, g.whole_q)
         grads.append((g, dk_g, dv_g))
     return grads
 
 
 def add_grads(acc: Tensor, g: Group, dk: Tensor, dv: Tensor) -> None:
     """acc [2, b, g, s, d] (fp32) += a group's dK/dV rows [T, g, d] on its key rows."""
-    _add_rows(acc[0], g.k, dk)
-    _add_rows(acc[1], g.k, dv)
+    _add_rows(acc[0], g.k, dk, g.whole_k)
+    _add_rows(acc[1], g.k, dv, g.whole_k)
