@@ -7,6 +7,13 @@
           degree 1, the autograd function), without RoPE -- the per-step cost our code adds.
 TFLOP/s counts causal attention as Megatron does: forward 4 b h s^2 d / 2, backward 2.5x forward.
 Prints a markdown table with device, date and command.
+
+With --documents MEAN a second table compares a packed sample (log-normal documents of that mean
+length, sigma 1, as --reset-attention-mask attends them) with the unpacked one of the same length:
+fwd+bwd time, the causal work the documents leave, and the kernel calls of one forward (varlen
+calls where the kernel has a variable-length entry, one dense call per piece where not). The
+document layout and its plans are made by the first call and reused, as every layer after the
+first of a micro-batch reuses them; their one-off host time is reported beside.
 """
 from __future__ import annotations
 
@@ -21,7 +28,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.core.transformer.enums import AttnBackend  # noqa: E402
-from megatron.longseq.attention.core import LongSeqCoreAttention  # noqa: E402
+from megatron.longseq.attention import varlen  # noqa: E402
+from megatron.longseq.attention.core import AttentionInputs, LongSeqCoreAttention  # noqa: E402
+from megatron.longseq.attention.documents import causal_work, lognormal_starts  # noqa: E402
+from megatron.longseq.attention.placement import DocumentLayout  # noqa: E402
 from megatron.longseq.attention.kernels import default_scale, select_kernel  # noqa: E402
 from megatron.longseq.config import LongSeqConfig  # noqa: E402
 
@@ -47,12 +57,31 @@ def attention_flops(b, h, s, d) -> float:
     return forward * 3.5  # forward + backward (2.5x)
 
 
-def bench(seq, args, device, dtype):
+def inputs(seq, args, device, dtype):
     b, h, g, d = args.batch, args.heads, args.kv_heads, args.head_dim
     q = torch.randn(b, h, seq, d, device=device, dtype=dtype)
     k = torch.randn(b, g, seq, d, device=device, dtype=dtype)
     v = torch.randn(b, g, seq, d, device=device, dtype=dtype)
-    dout = torch.randn_like(q)
+    return q, k, v, torch.randn_like(q)
+
+
+def core_attention(args, device):
+    h, g, d = args.heads, args.kv_heads, args.head_dim
+    config = LongSeqConfig(num_layers=1, hidden_size=h * d, num_attention_heads=h, num_query_groups=g,
+                           kv_channels=d, attention_dropout=0.0, attention_backend=AttnBackend[args.backend])
+    return LongSeqCoreAttention(config, layer_number=1, attn_mask_type=None).to(device)
+
+
+def megatron_layout(q, k, v, dout):
+    """[b, h, s, d] -> megatron-core's [s, b, h, d] leaves, and dout [s, b, h*d]."""
+    seq, b = q.shape[2], q.shape[0]
+    leaves = [x.permute(2, 0, 1, 3).detach().requires_grad_() for x in (q, k, v)]
+    return leaves, dout.permute(2, 0, 1, 3).reshape(seq, b, -1)
+
+
+def bench(seq, args, device, dtype):
+    b, h, d = args.batch, args.heads, args.head_dim
+    q, k, v, dout = inputs(seq, args, device, dtype)
     kernel = select_kernel(args.backend, device, dtype, d)
     scale = default_scale(d, None)
 
@@ -60,12 +89,8 @@ def bench(seq, args, device, dtype):
         out, lse = kernel._forward(q, k, v, True, scale)
         kernel._backward(dout, q, k, v, out, lse, True, scale)
 
-    config = LongSeqConfig(num_layers=1, hidden_size=h * d, num_attention_heads=h, num_query_groups=g,
-                           kv_channels=d, attention_dropout=0.0, attention_backend=AttnBackend[args.backend])
-    module = LongSeqCoreAttention(config, layer_number=1, attn_mask_type=None).to(device)
-    # megatron-core's layout: [s, b, h, d]
-    qs, ks, vs = (x.permute(2, 0, 1, 3).detach().requires_grad_() for x in (q, k, v))
-    douts = dout.permute(2, 0, 1, 3).reshape(seq, b, h * d)
+    module = core_attention(args, device)
+    (qs, ks, vs), douts = megatron_layout(q, k, v, dout)
 
     def ours():
         module(qs, ks, vs, None).backward(douts)
@@ -74,6 +99,54 @@ def bench(seq, args, device, dtype):
     t_ours = timed(ours, device, args.warmup, args.iters)
     flops = attention_flops(b, h, seq, d)
     return kernel.name, t_kernel, t_ours, flops
+
+
+def counted(kernel) -> dict:
+    """Count the kernel's forward calls from now on, dense and varlen (instance attributes)."""
+    counts = {"dense": 0, "varlen": 0}
+    for method, kind in (("forward", "dense"), ("forward_varlen", "varlen")):
+        def call(*a, _inner=getattr(kernel, method), _kind=kind, **kw):
+            counts[_kind] += 1
+            return _inner(*a, **kw)
+        setattr(kernel, method, call)
+    return counts
+
+
+def bench_packed(seq, args, device, dtype):
+    """(unpacked ms, packed ms, causal work left, calls of one packed forward, layout+plan ms)."""
+    g = torch.Generator().manual_seed(0)
+    starts = torch.stack([lognormal_starts(seq, args.documents, 1.0, g) for _ in range(args.batch)])
+    leaves, douts = megatron_layout(*inputs(seq, args, device, dtype))
+    module = core_attention(args, device)
+    params = AttentionInputs(document_starts=starts)
+    t_unpacked = timed(lambda: module(*leaves, None).backward(douts), device, args.warmup, args.iters)
+    t_packed = timed(lambda: module(*leaves, None, packed_seq_params=params).backward(douts), device,
+                     max(args.warmup, 1), args.iters)  # the first call makes the layout and plans
+    calls = counted(module._kernel)
+    module(*leaves, None, packed_seq_params=params)
+    work = sum(causal_work(s, torch.arange(seq)) for s in starts) / (args.batch * seq * (seq + 1) / 2)
+    return t_unpacked, t_packed, work, calls, layout_seconds(starts, module._kernel, leaves[0], device)
+
+
+def layout_seconds(starts, kernel, q, device) -> float:
+    """Host time to make a micro-batch's layout, pieces and (varlen kernels) plans at degree 1."""
+    start = time.perf_counter()
+    pieces = DocumentLayout(starts, ring=1).pieces(0, 0, 0, 0)
+    if varlen.uses_varlen(kernel, pieces):
+        varlen.plan(pieces, q.shape[1], q.shape[0], q.shape[0], device)
+    sync(device)
+    return time.perf_counter() - start
+
+
+def packed_table(args, device, dtype) -> None:
+    print(f"\npacked samples: log-normal documents, mean {args.documents:g} tokens (sigma 1)")
+    print("| seq | unpacked fwd+bwd ms | packed fwd+bwd ms | packed / unpacked | causal work left | "
+          "kernel calls per forward | layout + plans ms |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for seq in args.seq_lengths:
+        tu, tp, work, calls, layout = bench_packed(seq, args, device, dtype)
+        print(f"| {seq} | {tu * 1e3:.2f} | {tp * 1e3:.2f} | {tp / tu:.3f} | {work:.3f} | "
+              f"{calls['varlen']} varlen, {calls['dense']} dense | {layout * 1e3:.1f} |", flush=True)
 
 
 def main(argv=None):
@@ -87,6 +160,8 @@ def main(argv=None):
     p.add_argument("--backend", default="auto")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--documents", type=float, metavar="MEAN",
+                   help="also time packed samples of log-normal documents of this mean length")
     args = p.parse_args(argv)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
@@ -100,6 +175,8 @@ def main(argv=None):
         kname, tk, to, flops = bench(seq, args, device, dtype)
         print(f"| {seq} | {kname} | {tk * 1e3:.2f} | {to * 1e3:.2f} | {100 * (to - tk) / tk:+.1f}% | "
               f"{flops / tk / 1e12:.2f} | {flops / to / 1e12:.2f} |", flush=True)
+    if args.documents:
+        packed_table(args, device, dtype)
 
 
 if __name__ == "__main__":

@@ -174,3 +174,17 @@ def test_per_batch_plans_are_made_once_for_every_layer():
     first = varlen.plan(pieces, B, S, S, "cpu")
     assert varlen.plan(pieces, B, S, S, "cpu") is first
     assert varlen.plan(list(LATER), B, S, S, "cpu") is not varlen.plan(list(LATER), B, S, S, "cpu")  # kept nowhere
+
+
+def test_the_packed_attention_benchmark_runs_and_counts_calls(capsys):
+    """tools/benchmark_attention.py --documents, tiny on CPU: both tables, and the packed row's
+    kernel calls (the CPU kernel has no varlen entry: one dense call per document piece)."""
+    from tools.benchmark_attention import main
+
+    main(["--seq-lengths", "256", "--heads", "2", "--kv-heads", "1", "--head-dim", "8", "--dtype", "fp32",
+          "--warmup", "0", "--iters", "1", "--documents", "32"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 256 |")]
+    assert len(rows) == 2
+    cells = [c.strip() for c in rows[1].strip("|").split("|")]
+    work, calls = float(cells[4]), cells[5]
+    assert 0 < work < 0.5 and calls.startswith("0 varlen, ") and int(calls.split()[2]) > 1, rows[1]
