@@ -9,11 +9,13 @@ import torch
 
 from megatron.longseq.attention import comm
 from megatron.longseq.attention.context_parallel import ContextParallel
-from megatron.longseq.attention.kernels import KernelContractError, TorchCpuFlashKernel, check_contract
+from megatron.longseq.attention.core import LongSeqCoreAttention
+from megatron.longseq.attention.kernels import KernelContractError, TorchCpuFlashKernel, _bshd, check_contract
 from megatron.longseq.attention.placement import ring_chunks
 from megatron.longseq.attention.ring import ring_attention
 from tests.unit_tests.alloc_count import CreatedTensors
 from tests.unit_tests.attention.contract_kernel import ContractKernel
+from tests.unit_tests.attention.test_core_attention import config
 from tests.unit_tests.attention.test_kernels import naive
 from tests.unit_tests.dist_utils import grid_groups, run_ranks
 
@@ -155,6 +157,43 @@ def _all_to_all_copies_once():
         for counter in (fwd, bwd):
             big = [c for c in counter.created if c[1] >= payload and "ones_like" not in c[0]]
             assert len(big) == 2 and not [c for c in counter.created if c[1] < payload], counter.created
+
+
+class _TokenMajorKernel(ContractKernel):
+    """The CPU kernel with its output laid out by token ([b, s, h, d] in memory), as GPU kernels may
+    hand it back."""
+
+    def _forward(self, *args):
+        out, lse = super()._forward(*args)
+        with self.counter.pause():
+            return _bshd(out), lse
+
+
+def _ulysses_copies_nothing_more_at_micro_batch_one():
+    """At micro-batch 1 (the long-sequence case) a Ulysses layer creates the all-to-alls' own
+    buffers only -- q, k, v and out each a send and a receive buffer, the same in backward --
+    whether the kernel's output is laid out like q or by token: no layout copy on either side."""
+    cp = ContextParallel.from_process_groups(grid_groups(cp=2, hp=2))
+    for kernel_type in (ContractKernel, _TokenMajorKernel):
+        attn = LongSeqCoreAttention(config(4, 2, d=8, rope=False), layer_number=1, attn_mask_type=None, cp=cp)
+        fwd, bwd = CreatedTensors(), CreatedTensors()
+        attn._kernel = kernel = kernel_type(fwd)
+        q, k, v = (torch.randn(16, 1, n, 8, requires_grad=True) for n in (4, 2, 2))  # [s, b, h, d]
+        with fwd:
+            out = attn(q, k, v, None)
+        kernel.counter, dout = bwd, torch.randn_like(out)
+        with bwd:
+            out.backward(dout)
+        for counter in (fwd, bwd):
+            assert len(counter.at_least(k.numel())) == 8, (kernel_type.__name__, counter.created)
+
+
+def _two_rank_cases():
+    _ulysses_copies_nothing_more_at_micro_batch_one()
+
+
+def test_ulysses_layers_copy_nothing_more_whatever_the_kernels_output_layout():
+    run_ranks(_two_rank_cases, 2)
 
 
 def _four_rank_cases():
