@@ -396,6 +396,24 @@ class FlashAttnKernel(AttentionKernel):
         )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
+    # Its varlen entry takes [tokens, heads, d] as it is; lse [hq, Tq] (2.7 and 2.8 alike).
+    varlen = True
+
+    def _forward_varlen(self, q, k, v, seqs, scale):
+        res = self._fai._flash_attn_varlen_forward(
+            q, k, v, seqs.cu_q, seqs.cu_k, seqs.max_q, seqs.max_k, 0.0, scale, causal=seqs.causal,
+            window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False,
+        )
+        return res[0], res[1]  # (out, softmax_lse, S_dmask, rng_state)
+
+    def _backward_varlen(self, dout, q, k, v, out, lse, seqs, scale):
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        self._fai._flash_attn_varlen_backward(  # fills dq, dk, dv
+            dout, q, k, v, out, lse, dq, dk, dv, seqs.cu_q, seqs.cu_k, seqs.max_q, seqs.max_k, 0.0, scale,
+            seqs.causal, -1, -1, 0.0, None, torch.are_deterministic_algorithms_enabled(),
+        )
+        return dq, dk, dv
+
 
 # ---- selection ------------------------------------------------------------------------------
 

@@ -62,7 +62,7 @@ def _as_4d(x):
     return x.transpose(0, 1).unsqueeze(0)  # [T, h, d] -> [1, h, T, d]
 
 
-def _flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, debug_mask, *, scale=None):
+def flash_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, debug_mask, *, scale=None):
     assert q.dim() == k.dim() == v.dim() == 3 and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
     assert dropout_p == 0.0 and not debug_mask
     out = torch.empty_like(q)
@@ -73,7 +73,7 @@ def _flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, debug_m
     return out, lse, torch.zeros(2, dtype=torch.int64), torch.zeros((), dtype=torch.int64), torch.empty(0)
 
 
-def _flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, causal, seed, offset, *,
+def flash_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, causal, seed, offset, *,
                     scale=None):
     assert all(x.dim() == 3 and x.stride(-1) == 1 for x in (dout, q, k, v, out)) and dropout_p == 0.0
     assert lse.dtype == torch.float32 and lse.shape == (q.shape[1], q.shape[0]) and lse.is_contiguous()
@@ -89,5 +89,5 @@ def _flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p
 def install_flash_varlen_stand_ins(set_attr) -> None:
     """Put the stand-ins in place of torch.ops.aten's flash varlen ops with `set_attr`
     (pytest's monkeypatch.setattr in a test's own process, setattr in a gloo rank's)."""
-    set_attr(torch.ops.aten, "_flash_attention_forward", _flash_forward)
-    set_attr(torch.ops.aten, "_flash_attention_backward", _flash_backward)
+    set_attr(torch.ops.aten, "_flash_attention_forward", flash_varlen_forward)
+    set_attr(torch.ops.aten, "_flash_attention_backward", flash_varlen_backward)

@@ -2,15 +2,19 @@
 into calls, a block through torch's flash varlen entry (stood in for on CPU) against the same
 block piece by piece, and the kernels' variable-length contract."""
 import math
+import sys
+from types import ModuleType
 
 import pytest
 import torch
 
 from megatron.longseq.attention import varlen
 from megatron.longseq.attention.documents import Piece, Pieces, balanced_ring_tokens, block_pieces, document_ids
-from megatron.longseq.attention.kernels import KernelContractError, TorchCudaFlashKernel, TorchCudnnKernel, Varlen
+from megatron.longseq.attention.kernels import (FlashAttnKernel, KernelContractError, TorchCudaFlashKernel,
+                                                TorchCudnnKernel, Varlen)
 from megatron.longseq.attention.ring import _Rows, add_block_grads, block_backward, block_forward
-from tests.unit_tests.attention.contract_kernel import ContractKernel, install_flash_varlen_stand_ins
+from tests.unit_tests.attention.contract_kernel import (ContractKernel, flash_varlen_backward, flash_varlen_forward,
+                                                       install_flash_varlen_stand_ins)
 from tests.unit_tests.attention.test_documents import random_starts
 from tests.unit_tests.attention.test_kernels import naive
 
@@ -125,12 +129,40 @@ def _packed(lengths_q, lengths_k, hq, hkv, dtype=torch.float32, seed=0):
     return q, k, v, cu
 
 
-@pytest.mark.parametrize("kernel", [TorchCudaFlashKernel, TorchCudnnKernel])
+def install_fake_flash_attn(set_item) -> None:
+    """flash-attn 2.7/2.8's two private varlen functions (their signatures, read off its
+    flash_attn_interface.py), doing what torch's varlen ops' stand-ins do."""
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal, window_size_left=-1,
+                window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False):
+        assert (window_size_left, window_size_right, softcap, alibi_slopes, return_softmax) == (-1, -1, 0.0, None, False)
+        out, lse, *_ = flash_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, False,
+                                            scale=softmax_scale)
+        return out, lse, torch.empty(0), torch.zeros(2, dtype=torch.int64)
+
+    def backward(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal,
+                 window_size_left, window_size_right, softcap, alibi_slopes, deterministic, rng_state=None):
+        grads = flash_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, causal, None,
+                                      None, scale=softmax_scale)
+        for into, grad in zip((dq, dk, dv), grads):  # it fills the buffers it is given
+            into.copy_(grad)
+        return torch.empty(0)
+
+    interface = ModuleType("flash_attn.flash_attn_interface")
+    interface._flash_attn_varlen_forward, interface._flash_attn_varlen_backward = forward, backward
+    package = ModuleType("flash_attn")
+    package.flash_attn_interface = interface
+    set_item(sys.modules, "flash_attn", package)
+    set_item(sys.modules, "flash_attn.flash_attn_interface", interface)
+
+
+@pytest.mark.parametrize("kernel", [TorchCudaFlashKernel, TorchCudnnKernel, FlashAttnKernel])
 @pytest.mark.parametrize("causal", [True, False])
 def test_cuda_kernels_varlen_entry_is_attention_per_sequence(monkeypatch, kernel, causal):
-    """torch's flash varlen ops as the CUDA kernels call them (argument order, lse [h, T]), with
-    GQA, against float64 attention of every sequence alone (fp32 kernel: 1e-5)."""
+    """The varlen ops as the CUDA kernels call them (argument order, lse [h, T]; torch's flash
+    ops, and flash-attn's functions), with GQA, against float64 attention of every sequence alone
+    (fp32 kernel: 1e-5)."""
     install_flash_varlen_stand_ins(monkeypatch.setattr)
+    install_fake_flash_attn(monkeypatch.setitem)
     lengths_q = [3, 1, 6, 2]
     lengths_k = lengths_q if causal else [4, 2, 1, 5]
     q, k, v, (cu_q, cu_k) = _packed(lengths_q, lengths_k, 4, 2)
