@@ -16,7 +16,9 @@ into the other buffer -- it runs during this backward -- then waits for its own 
 recomputes the dropped tokens by running the layer on them alone (every op but attention is
 token-wise; attention hands back its kept output rows and records q, k, v of those tokens) and
 completes each token-wise tensor in place in the buffer. The last two layers keep their
-activations (their backward starts at once).
+activations (their backward starts at once); the last managed layer's prefetch is issued when
+their backward begins (a hook on the last kept layer's output gradient), so its copies too run
+during a backward instead of before its own.
 
 `Memo.measure` runs an iteration without host memory (alpha 0, whole tensors left where they
 are) to size the buffers and the pool before any is allocated; `Memo.allocate` allocates them.
@@ -110,6 +112,8 @@ class Memo:
         self.pool: Optional[HostPool] = None
         self.param_storages = set(param_storages)
         self.last: Optional[LayerState] = None  # the previous managed layer of the running forward
+        # the running forward's last managed layer, until the kept layers after it take it
+        self.before_kept: Optional[LayerState] = None
         self.measuring: Optional[List[LayerSizes]] = None  # sizes of every forward, while measuring
         self.live = self.peak_live = 0  # managed layers between forward and backward
         self.forwards = 0  # managed forwards so far: layer i of a unit stages in buffer i % 2
@@ -160,12 +164,17 @@ class Memo:
     # ---- the layer wrapper -----------------------------------------------------------------------
     def wrap(self, layers, keep_last: int = 2) -> None:
         """Manage every layer of `layers` but the last `keep_last` (in place, like recompute)."""
-        managed = list(layers)[: max(len(layers) - keep_last, 0)]
+        layers = list(layers)
+        managed = layers[: max(len(layers) - keep_last, 0)]
+        kept = len(managed) < len(layers)
         for index, layer in enumerate(managed):
-            layer.forward = _memo_forward(self, layer.forward, index, first=index == 0)
+            last = kept and index == len(managed) - 1
+            layer.forward = _memo_forward(self, layer.forward, index, first=index == 0, last=last)
+        if managed and kept:
+            layers[-1].forward = _kept_forward(self, layers[-1].forward)
 
 
-def _memo_forward(memo: Memo, forward, index: int, first: bool):
+def _memo_forward(memo: Memo, forward, index: int, first: bool, last: bool):
     def run(hidden_states, **kwargs):
         if not torch.is_grad_enabled():
             return forward(hidden_states=hidden_states, **kwargs)
@@ -173,9 +182,40 @@ def _memo_forward(memo: Memo, forward, index: int, first: bool):
             memo.last = None
         state = LayerState(memo, forward, index, hidden_states, kwargs, previous=memo.last)
         memo.last = state
-        return state.forward()
+        out = state.forward()
+        if last:
+            memo.before_kept = state
+        return out
 
     return run
+
+
+def _kept_forward(memo: Memo, forward):
+    """The last kept layer: the gradient of its output starts the kept layers' backward, and with
+    it the prefetch of the managed layer before them (section 4.1: layer i-1's copies overlap
+    layer i's backward). Handed over once per forward: a recompute of the kept layers in backward
+    finds nothing to hand (what it would find could belong to another segment's forward)."""
+
+    def run(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        state, memo.before_kept = memo.before_kept, None
+        y = out[0] if isinstance(out, tuple) else out
+        if state is not None and y.requires_grad:
+            y.register_hook(_backward_begins(weakref.ref(state)))
+        return out
+
+    return run
+
+
+def _backward_begins(state_ref):
+    # weak: the hook lives as long as the graph; the state must not (its own backward frees it)
+    def hook(grad):
+        state = state_ref()
+        if state is not None:
+            state.memo.reads_done()  # the previous backward read its buffer before now
+            state.prefetch()
+
+    return hook
 
 
 def _release(memo: Memo, held: list) -> None:
@@ -357,8 +397,9 @@ class LayerState:
         if self.prefetched is not None or self.memo.measuring is not None or self.held[0] is None:
             return
         streams, b = self.memo.streams, self.buffer
-        # the buffer is free once the backward of the layer before in it (i+2) is over: it was
-        # issued on the compute stream before now; and once the offloads that read it are done
+        # the buffer is free once the backward of the layer before in it (i+2, or for the last
+        # managed layer an earlier unit's) is over: it was issued on the compute stream before
+        # now; and once the offloads that read it are done
         # (this layer's, or a newer forward's staged in this buffer): they run in order, so the
         # buffer's newest covers them all and this layer's host block; the other buffer's offloads
         # touch neither
@@ -374,7 +415,7 @@ class LayerState:
     def rematerialize(self) -> None:
         streams = self.memo.streams
         self.memo.reads_done()
-        self.prefetch()  # normally issued while the next layer's backward ran
+        self.prefetch()  # normally issued while the next (managed or kept) layer's backward ran
         if self.previous is not None:
             self.previous.prefetch()  # overlap: layer i-1's copies come back during our backward
         streams.wait("compute", self.prefetched)  # our own copies only
