@@ -249,6 +249,72 @@ def test_the_schedule_check_catches_a_missing_wait():
         check(log)
 
 
+# ---- the measuring iteration -------------------------------------------------------------------------
+def _measured(args):
+    """A measuring iteration under the allocation tracer: its sizes, the bytes alive when its
+    forward is over (what its backward holds on to) and its gradients; and the sizes a training
+    iteration's forwards save."""
+    from megatron.longseq.memo import runtime
+    from megatron.longseq.memo.trace import AllocationTracer, Trace
+
+    model = tiny_gpt(args, grid_groups())
+    memo = Memo(0.5, torch.device("cpu"), {p.untyped_storage().data_ptr() for p in model.parameters()})
+    memo.wrap(model.decoder.layers)
+    trace = Trace()
+
+    def run():
+        seed_everything(7, 0, torch.device("cpu"))  # the reference's dropout masks
+        loss = lm_loss(model, args)
+        gc.collect()
+        trace.mark("begin backward")
+        loss.backward()
+
+    with AllocationTracer(trace):
+        for p in model.parameters():  # the tracer sees a storage made before it as new when an op
+            p.view_as(p)  # returns a view of it: count the parameters here, before the iteration
+        trace.mark("parameters")
+        sizes = memo.calibrate(run)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    states = []
+    original = runtime.LayerState.forward
+    runtime.LayerState.forward = lambda self: states.append(self) or original(self)
+    try:
+        lm_loss(model, args).backward()
+    finally:
+        runtime.LayerState.forward = original
+    return sizes, _alive(trace), grads, [s.sizes() for s in states]
+
+
+def _alive(trace):
+    """Bytes alive at "begin backward" beyond the parameters."""
+    now, at = 0, {}
+    for kind, label, size in trace.events:
+        now += size if kind == "malloc" else -size if kind == "free" else 0
+        at[label] = now
+    return at["begin backward"] - at["parameters"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_measuring_iteration_holds_the_layer_inputs_only_and_is_exact(case):
+    """Memo.measure keeps what full recompute keeps -- each managed layer's input -- instead of
+    input and attention output and lse (about twice as much): it runs where training fits."""
+    init_single_rank_world()
+    sizes, grads, alive = {}, {}, {}
+    for layers in (4, 6):  # two managed layers more: what each one holds, the rest cancels
+        args = tiny_args(CASES[case] + f" --num-layers {layers}")
+        sizes[layers], alive[layers], grads[layers], trained = _measured(args)
+        assert sizes[layers] == trained  # what the training forwards save, measured
+        reference, _ = iteration(args, None)
+        for name, grad in grads[layers].items():  # bitwise on CPU; the bound of the alpha test
+            torch.testing.assert_close(grad, reference[name], rtol=1e-6, atol=1e-9, msg=name)
+    held = alive[6] - alive[4]
+    s_input = args.seq_length * args.micro_batch_size * args.hidden_size * 4
+    if "dropout" in case:  # SDPA's saved tensors stay: its dropout mask cannot be drawn again
+        assert held > 2 * s_input
+    else:
+        assert held == 2 * s_input
+
+
 # ---- memory sized once -------------------------------------------------------------------------------
 def test_buffers_and_pool_are_sized_once_and_refuse_to_grow():
     init_single_rank_world()
