@@ -108,7 +108,9 @@ class LongSeqCoreAttention(MegatronModule):
         if memo is None:
             return self._forward(query, key, value, attention_mask, packed_seq_params)[0]
         if memo.phase == "replay":  # MEMO recomputes the layer's other ops, never attention
-            return memo.attention_rows(query, key, value)
+            # (but its measuring iteration, which keeps no attention output)
+            return memo.attention_rows(query, key, value,
+                                       lambda: self._forward(query, key, value, None, packed_seq_params))
         if self._needs_sdpa(attention_mask):  # no lse to keep: everything it saves goes whole
             with memo.attention():
                 out = self._forward(query, key, value, attention_mask, packed_seq_params)[0]

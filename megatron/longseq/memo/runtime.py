@@ -16,10 +16,14 @@ into the other buffer -- it runs during this backward -- then waits for its own 
 recomputes the dropped tokens by running the layer on them alone (every op but attention is
 token-wise; attention hands back its kept output rows and records q, k, v of those tokens) and
 completes each token-wise tensor in place in the buffer. The last two layers keep their
-activations (their backward starts at once).
+activations (their backward starts at once); the last managed layer's prefetch is issued when
+their backward begins (a hook on the last kept layer's output gradient), so its copies too run
+during a backward instead of before its own.
 
-`Memo.measure` runs an iteration without host memory (alpha 0, whole tensors left where they
-are) to size the buffers and the pool before any is allocated; `Memo.allocate` allocates them.
+`Memo.measure` runs an iteration without host memory to size the buffers and the pool before
+any is allocated: alpha 0, the layer input left where it is, everything else recomputed in
+backward (the kept attention's output too), so it holds what full recompute holds;
+`Memo.allocate` allocates them.
 """
 from __future__ import annotations
 
@@ -110,6 +114,8 @@ class Memo:
         self.pool: Optional[HostPool] = None
         self.param_storages = set(param_storages)
         self.last: Optional[LayerState] = None  # the previous managed layer of the running forward
+        # the running forward's last managed layer, until the kept layers after it take it
+        self.before_kept: Optional[LayerState] = None
         self.measuring: Optional[List[LayerSizes]] = None  # sizes of every forward, while measuring
         self.live = self.peak_live = 0  # managed layers between forward and backward
         self.forwards = 0  # managed forwards so far: layer i of a unit stages in buffer i % 2
@@ -128,8 +134,9 @@ class Memo:
 
     # ---- sizing ----------------------------------------------------------------------------------
     def measure(self, run: Callable[[], None]) -> List[LayerSizes]:
-        """Run `run` (an iteration) with nothing sent to host memory: alpha 0, whole tensors left
-        on the device. Returns what every managed forward saved; `peak_live` is set."""
+        """Run `run` (an iteration) with nothing sent to host memory: alpha 0, each layer's input
+        left on the device, the rest recomputed. Returns what every managed forward saved;
+        `peak_live` is set."""
         self.measuring, self.peak_live = [], 0
         try:
             run()
@@ -160,12 +167,17 @@ class Memo:
     # ---- the layer wrapper -----------------------------------------------------------------------
     def wrap(self, layers, keep_last: int = 2) -> None:
         """Manage every layer of `layers` but the last `keep_last` (in place, like recompute)."""
-        managed = list(layers)[: max(len(layers) - keep_last, 0)]
+        layers = list(layers)
+        managed = layers[: max(len(layers) - keep_last, 0)]
+        kept = len(managed) < len(layers)
         for index, layer in enumerate(managed):
-            layer.forward = _memo_forward(self, layer.forward, index, first=index == 0)
+            last = kept and index == len(managed) - 1
+            layer.forward = _memo_forward(self, layer.forward, index, first=index == 0, last=last)
+        if managed and kept:
+            layers[-1].forward = _kept_forward(self, layers[-1].forward)
 
 
-def _memo_forward(memo: Memo, forward, index: int, first: bool):
+def _memo_forward(memo: Memo, forward, index: int, first: bool, last: bool):
     def run(hidden_states, **kwargs):
         if not torch.is_grad_enabled():
             return forward(hidden_states=hidden_states, **kwargs)
@@ -173,9 +185,40 @@ def _memo_forward(memo: Memo, forward, index: int, first: bool):
             memo.last = None
         state = LayerState(memo, forward, index, hidden_states, kwargs, previous=memo.last)
         memo.last = state
-        return state.forward()
+        out = state.forward()
+        if last:
+            memo.before_kept = state
+        return out
 
     return run
+
+
+def _kept_forward(memo: Memo, forward):
+    """The last kept layer: the gradient of its output starts the kept layers' backward, and with
+    it the prefetch of the managed layer before them (section 4.1: layer i-1's copies overlap
+    layer i's backward). Handed over once per forward: a recompute of the kept layers in backward
+    finds nothing to hand (what it would find could belong to another segment's forward)."""
+
+    def run(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        state, memo.before_kept = memo.before_kept, None
+        y = out[0] if isinstance(out, tuple) else out
+        if state is not None and y.requires_grad:
+            y.register_hook(_backward_begins(weakref.ref(state)))
+        return out
+
+    return run
+
+
+def _backward_begins(state_ref):
+    # weak: the hook lives as long as the graph; the state must not (its own backward frees it)
+    def hook(grad):
+        state = state_ref()
+        if state is not None:
+            state.memo.reads_done()  # the previous backward read its buffer before now
+            state.prefetch()
+
+    return hook
 
 
 def _release(memo: Memo, held: list) -> None:
@@ -205,6 +248,7 @@ class LayerState:
         self._alive: List[torch.Tensor] = []
         self.in_attention = False
         self.attention_key: Optional[int] = None
+        self.attention_keys: tuple = ()  # the kept attention's (out, lse) items
         self.phase = "forward"
         self.rebuilt: Optional[Dict[int, torch.Tensor]] = None
         self.held = [None, None, 0]  # host block, the event after its prefetch, live count
@@ -222,10 +266,9 @@ class LayerState:
         self.memo.live += 1
         self.held[2] = 1
         self.memo.peak_live = max(self.memo.peak_live, self.memo.live)
-        if self.memo.measuring is not None:  # token-wise tensors are recomputed whole: drop them
+        if self.memo.measuring is not None:
             self.memo.measuring.append(self.sizes())
-            for item in self.items:
-                item.tensor = item.tensor if item.whole else None
+            self._drop_measured()
         else:
             self._offload()
         # a forward that never gets a backward releases when it is dropped (the finalizer must
@@ -234,6 +277,15 @@ class LayerState:
         self.input = None
         self._alive = []
         return out
+
+    def _drop_measured(self) -> None:
+        """Measuring: the replay recomputes every token, and the kept attention's (out, lse) from
+        its q, k, v, so the layer holds its input only, as full recompute does. SDPA's saved
+        tensors stay (its dropout mask cannot be drawn again)."""
+        dropped = set(self.attention_keys)
+        for k, item in enumerate(self.items):
+            if not item.whole or k in dropped:
+                item.tensor = None
 
     def sizes(self) -> LayerSizes:
         wholes = [i.full_bytes for i in self.items if i.whole]
@@ -279,7 +331,7 @@ class LayerState:
         self.attention_key = self._whole_item(out)
         self.attention_saved_qkv = lse is not None  # the kept attention; SDPA saved its own, whole
         if lse is not None:
-            self._whole_item(lse)
+            self.attention_keys = (self.attention_key, self._whole_item(lse))
         self._attention_view = (tuple(out.shape), out.stride(), out.storage_offset())
         self._attention_grad = out.requires_grad
 
@@ -357,8 +409,9 @@ class LayerState:
         if self.prefetched is not None or self.memo.measuring is not None or self.held[0] is None:
             return
         streams, b = self.memo.streams, self.buffer
-        # the buffer is free once the backward of the layer before in it (i+2) is over: it was
-        # issued on the compute stream before now; and once the offloads that read it are done
+        # the buffer is free once the backward of the layer before in it (i+2, or for the last
+        # managed layer an earlier unit's) is over: it was issued on the compute stream before
+        # now; and once the offloads that read it are done
         # (this layer's, or a newer forward's staged in this buffer): they run in order, so the
         # buffer's newest covers them all and this layer's host block; the other buffer's offloads
         # touch neither
@@ -374,7 +427,7 @@ class LayerState:
     def rematerialize(self) -> None:
         streams = self.memo.streams
         self.memo.reads_done()
-        self.prefetch()  # normally issued while the next layer's backward ran
+        self.prefetch()  # normally issued while the next (managed or kept) layer's backward ran
         if self.previous is not None:
             self.previous.prefetch()  # overlap: layer i-1's copies come back during our backward
         streams.wait("compute", self.prefetched)  # our own copies only
@@ -405,11 +458,25 @@ class LayerState:
         # need gradients exactly when the forward's did, or other tensors would be saved.
         x = _rebuild(self._whole_copy(self.input_key), self._input_view)[self.n_off :]
         x = x.detach().requires_grad_(self._input_grad)
-        replay = _Replay(self, x, self._attention_rows())
+        dropped = self.memo.measuring is not None and self.attention_keys  # see _drop_measured
+        replay = _Replay(self, x, None if dropped else self._attention_rows())
         with torch.enable_grad(), _activate(replay), torch.autograd.graph.saved_tensors_hooks(replay.pack, lambda t: t):
             self.fn(hidden_states=x, **self.kwargs)
         self.memo.stats["recomputed_tokens"] += self.tokens - self.n_off
         return replay.parts
+
+    def attend_again(self, attend) -> torch.Tensor:
+        """Measuring: (out, lse) were dropped; `attend` runs the kept attention again on the
+        replay's q, k, v -- the forward's, bitwise, and without dropout on this path: exact."""
+        with torch.no_grad():  # as in _KeptAttention.forward: it saves nothing of its own
+            out, lse = attend()
+        for key, t in zip(self.attention_keys, (out, lse)):
+            item, flat = self.items[key], _whole(t)
+            if (flat.dtype, tuple(flat.shape)) != (item.dtype, item.shape):  # the saved views need its layout
+                raise RuntimeError(f"MEMO layer {self.index}: attention computed again gave a {flat.dtype} storage "
+                                   f"of {tuple(flat.shape)}, the forward's was {item.dtype} of {item.shape}")
+            item.tensor = flat
+        return self._attention_rows()
 
     def _attention_rows(self) -> torch.Tensor:
         if self.attention_key is None:
@@ -428,14 +495,20 @@ class _Replay:
     def __init__(self, state: LayerState, x, out_rows):
         self.state, self.x, self.out_rows = state, x, out_rows
         self.parts: Dict[int, torch.Tensor] = {}
-        self.skip = {x.untyped_storage().data_ptr(), out_rows.untyped_storage().data_ptr()}
+        self.skip = {x.untyped_storage().data_ptr()}  # and the output rows', once they exist
+        if out_rows is not None:
+            self.skip.add(out_rows.untyped_storage().data_ptr())
         self.order: Dict[tuple, int] = {}
         self.token_items = [k for k, item in enumerate(state.items) if not item.whole]
 
-    def attention_rows(self, query, key, value):
+    def attention_rows(self, query, key, value, attend):
+        """The attention output rows of the replayed tokens; `attend()` gives (out, lse) anew."""
         if self.state.attention_saved_qkv:
             for t in (query, key, value):  # what the kept attention saved token-wise, in its order
                 self.pack(t)
+        if self.out_rows is None:  # measuring
+            self.out_rows = self.state.attend_again(attend)
+            self.skip.add(self.out_rows.untyped_storage().data_ptr())
         return self.out_rows
 
     def pack(self, t: torch.Tensor):

@@ -158,6 +158,80 @@ def test_copies_follow_the_rounding_buffer_schedule():
     assert writes == [i % 2 for i in range(managed_layers)]
 
 
+class _Marks:
+    """Layer windows (profiler.mark_layer_windows) as positions in the stream log."""
+
+    def __init__(self, log):
+        self.log, self.at = log, {}
+
+    def mark(self, label):
+        self.at.setdefault(label, []).append(len(self.log))
+
+
+def _seq1f1b(args, alpha, recompute_kept, log=None, marks=None):
+    """One Seq1F1B iteration (the last two layers full-recomputed when `recompute_kept`); MEMO over
+    the rest unless alpha is None, its streams logged into `log` after calibration, the kept
+    layers' windows marked on `marks`. Returns the gradients and the managed layers."""
+    import pretrain_gpt
+    from megatron.longseq.pipeline.seq1f1b import forward_backward_seq1f1b
+    from megatron.longseq.memo.profiler import mark_layer_windows
+    from megatron.longseq.recompute import apply_full_recompute
+    from megatron.training.data import random_batches
+    from megatron.training.memo_setup import wrap_model
+    from megatron.training.model import build_model_chunks, unwrap
+    from megatron.training.training import setup
+
+    pgs = grid_groups()
+    state = setup(args, pgs, lambda a, p, d: build_model_chunks(a, p, d))
+    layers = unwrap(state.model)[0].decoder.layers
+    if recompute_kept:  # as the trainer builds it: recompute wrapped first, MEMO around it
+        apply_full_recompute(layers[-2:], "block", 2)
+
+    def run():
+        forward_backward_seq1f1b(forward_step_func=pretrain_gpt.forward_step,
+                                 data_iterator=random_batches(args, pgs, seed=0), model=state.model,
+                                 num_microbatches=args.num_microbatches, micro_batch_size=args.micro_batch_size,
+                                 p2p_communicator=state.pipeline)
+
+    managed = []
+    if alpha is not None:
+        memo, managed = wrap_model(state, alpha, torch.device("cpu"))
+        memo.calibrate(run)
+        state.optimizer.zero_grad()
+        memo.streams = Streams(torch.device("cpu"), log)
+    if marks is not None:
+        mark_layer_windows(layers[-2:], marks)
+    run()
+    return {n: p.main_grad.clone() for n, p in unwrap(state.model)[0].named_parameters()}, managed
+
+
+@pytest.mark.parametrize("recompute_kept", [False, True], ids=["kept-layers-stored", "kept-layers-recomputed"])
+def test_the_last_managed_layers_prefetch_runs_during_the_kept_layers_backward(recompute_kept):
+    """Section 4.1: layer i-1's copies overlap layer i's backward -- also for the last managed
+    layer, whose successor is a kept layer: its prefetch must not wait for its own backward
+    (one exposed host-to-device copy per micro-batch and segment)."""
+    init_single_rank_world()
+    args = tiny_args("--num-layers 5 --pipe-sp-splits 2 --global-batch-size 4 " + GQA_ROPE)
+    log = []
+    marks = _Marks(log)
+    grads, managed = _seq1f1b(args, 0.5, recompute_kept, log, marks)
+    done = check(log)  # no read before its copy, no overwrite before the last reader
+    n = len(managed)
+    prefetched = {a.owner: a.position for a in done if a.stream == "prefetch" and a.op == "write"}
+    reads = [a for a in done if a.stream == "compute" and a.op == "read"]
+    # the first kept layer's backward begins when the last kept layer's input gradient is made
+    kept_begins = marks.at[f"end bwd L{args.num_layers}"]
+    assert len(kept_begins) == args.num_microbatches * args.pipe_sp_splits
+    owners = []
+    for at in kept_begins:  # managed forwards count up: the last of a unit has id n-1 modulo n
+        owners.append(next(a.owner for a in reads if a.position > at and a.owner % n == n - 1))
+        assert prefetched[owners[-1]] < at, f"layer {owners[-1]}'s prefetch waits for its own backward"
+    assert sorted(owners) == [u * n + n - 1 for u in range(len(kept_begins))]
+    reference, _ = _seq1f1b(args, None, recompute_kept)
+    for name, grad in grads.items():  # bitwise on CPU; the bound of the alpha test above
+        torch.testing.assert_close(grad, reference[name], rtol=1e-6, atol=1e-9, msg=name)
+
+
 class _NoComputeWaits(Streams):
     def wait(self, name, event):
         if name != "compute":
@@ -173,6 +247,72 @@ def test_the_schedule_check_catches_a_missing_wait():
     lm_loss(model, args).backward()
     with pytest.raises(ScheduleError, match="before"):
         check(log)
+
+
+# ---- the measuring iteration -------------------------------------------------------------------------
+def _measured(args):
+    """A measuring iteration under the allocation tracer: its sizes, the bytes alive when its
+    forward is over (what its backward holds on to) and its gradients; and the sizes a training
+    iteration's forwards save."""
+    from megatron.longseq.memo import runtime
+    from megatron.longseq.memo.trace import AllocationTracer, Trace
+
+    model = tiny_gpt(args, grid_groups())
+    memo = Memo(0.5, torch.device("cpu"), {p.untyped_storage().data_ptr() for p in model.parameters()})
+    memo.wrap(model.decoder.layers)
+    trace = Trace()
+
+    def run():
+        seed_everything(7, 0, torch.device("cpu"))  # the reference's dropout masks
+        loss = lm_loss(model, args)
+        gc.collect()
+        trace.mark("begin backward")
+        loss.backward()
+
+    with AllocationTracer(trace):
+        for p in model.parameters():  # the tracer sees a storage made before it as new when an op
+            p.view_as(p)  # returns a view of it: count the parameters here, before the iteration
+        trace.mark("parameters")
+        sizes = memo.calibrate(run)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    states = []
+    original = runtime.LayerState.forward
+    runtime.LayerState.forward = lambda self: states.append(self) or original(self)
+    try:
+        lm_loss(model, args).backward()
+    finally:
+        runtime.LayerState.forward = original
+    return sizes, _alive(trace), grads, [s.sizes() for s in states]
+
+
+def _alive(trace):
+    """Bytes alive at "begin backward" beyond the parameters."""
+    now, at = 0, {}
+    for kind, label, size in trace.events:
+        now += size if kind == "malloc" else -size if kind == "free" else 0
+        at[label] = now
+    return at["begin backward"] - at["parameters"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_measuring_iteration_holds_the_layer_inputs_only_and_is_exact(case):
+    """Memo.measure keeps what full recompute keeps -- each managed layer's input -- instead of
+    input and attention output and lse (about twice as much): it runs where training fits."""
+    init_single_rank_world()
+    sizes, grads, alive = {}, {}, {}
+    for layers in (4, 6):  # two managed layers more: what each one holds, the rest cancels
+        args = tiny_args(CASES[case] + f" --num-layers {layers}")
+        sizes[layers], alive[layers], grads[layers], trained = _measured(args)
+        assert sizes[layers] == trained  # what the training forwards save, measured
+        reference, _ = iteration(args, None)
+        for name, grad in grads[layers].items():  # bitwise on CPU; the bound of the alpha test
+            torch.testing.assert_close(grad, reference[name], rtol=1e-6, atol=1e-9, msg=name)
+    held = alive[6] - alive[4]
+    s_input = args.seq_length * args.micro_batch_size * args.hidden_size * 4
+    if "dropout" in case:  # SDPA's saved tensors stay: its dropout mask cannot be drawn again
+        assert held > 2 * s_input
+    else:
+        assert held == 2 * s_input
 
 
 # ---- memory sized once -------------------------------------------------------------------------------
