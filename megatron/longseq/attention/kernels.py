@@ -283,10 +283,10 @@ class TorchCudnnKernel(AttentionKernel):
     those blocks go to torch's flash kernel, which is exact for them.
 
     torch builds a cuDNN graph for every new shape (tens to hundreds of ms each) and keeps it.
-    Packed documents and per-micro-batch segments make shapes without end (every document piece
-    is its own (sq, sk)): past MAX_SHAPES distinct shapes, a new one goes to torch's flash kernel,
-    which takes any shape at no set-up cost. A shape keeps its kernel from its first call on, so a
-    backward runs the kernel of its forward."""
+    Per-micro-batch segments and packed blocks of a single piece make shapes without end (blocks
+    of several pieces go to the varlen entry below): past MAX_SHAPES distinct shapes, a new one
+    goes to torch's flash kernel, which takes any shape at no set-up cost. A shape keeps its
+    kernel from its first call on, so a backward runs the kernel of its forward."""
 
     name = "torch-cudnn"
     MAX_SHAPES = 64

@@ -134,7 +134,8 @@ def install_fake_flash_attn(set_item) -> None:
     flash_attn_interface.py), doing what torch's varlen ops' stand-ins do."""
     def forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal, window_size_left=-1,
                 window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False):
-        assert (window_size_left, window_size_right, softcap, alibi_slopes, return_softmax) == (-1, -1, 0.0, None, False)
+        assert (window_size_left, window_size_right, softcap, alibi_slopes) == (-1, -1, 0.0, None)
+        assert not return_softmax
         out, lse, *_ = flash_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, False,
                                             scale=softmax_scale)
         return out, lse, torch.empty(0), torch.zeros(2, dtype=torch.int64)
