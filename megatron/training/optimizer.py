@@ -112,10 +112,11 @@ class DistributedAdam:
         return value
 
     def _norm(self, tensors) -> float:
-        device = self.main_data.device
-        sq = torch.zeros((), dtype=torch.float32, device=device)
-        for t in tensors:
-            sq += t.float().square().sum()
+        """The global 2-norm of fp32 `tensors`: torch's multi-tensor norm over all of them at once
+        (a few kernels, and no temporary as large as a fragment), then the sum over ranks."""
+        tensors = list(tensors)  # a rank may hold no fragment: zero, and still the collectives
+        sq = (torch.stack(torch._foreach_norm(tensors)).square().sum() if tensors
+              else torch.zeros((), device=self.main_data.device))
         return math.sqrt(self._global_sum(sq).item())
 
     def grad_norm(self) -> float:
@@ -141,12 +142,13 @@ class DistributedAdam:
 
     def _unscale_found_inf(self) -> bool:
         """Divide the main gradients by the loss scale; True if any rank holds a non-finite one."""
-        inv = 1.0 / self.scaler.scale
-        bad = torch.zeros((), dtype=torch.float32, device=self.main_data.device)
-        for f in self.fragments:
-            f.main.grad.mul_(inv)
-            bad += (~torch.isfinite(f.main.grad)).sum()
-        return self._global_sum(bad).item() > 0
+        device = self.main_data.device
+        found = torch.zeros(1, dtype=torch.float32, device=device)  # set to 1 where one is not finite
+        grads = [f.main.grad for f in self.fragments]
+        if grads:  # torch's multi-tensor unscale-and-check (GradScaler's): one pass over them all
+            inv = torch.full((1,), 1.0 / self.scaler.scale, dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+        return self._global_sum(found).item() > 0
 
     # ---- step ------------------------------------------------------------------------------------
     def step(self, count_zeros: bool = False):

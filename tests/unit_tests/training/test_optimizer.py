@@ -225,3 +225,25 @@ def _check_step_count_on_an_all_padding_shard():
 def test_every_rank_knows_adams_step_count():
     """A rank whose shard is all padding builds its (empty) groups and counts Adam's steps."""
     run_ranks(_check_step_count_on_an_all_padding_shard, 2)
+
+
+def _check_norms_make_no_fragment_sized_temporaries():
+    """The norms run as torch's multi-tensor norm: the same value as the per-parameter reference,
+    and no temporary as large as the largest fragment (squaring each one made a copy of it)."""
+    from tests.unit_tests.alloc_count import CreatedTensors
+
+    pgs, model, buffer, opt = _build(shard=True, overlap=False, bucket=None)
+    ddp_training(model, buffer, opt, steps=1)
+    largest = max(f.main.numel() for f in opt.fragments)
+    with CreatedTensors() as created:
+        norm = opt.grad_norm()
+        opt.params_norm()
+    assert not created.at_least(largest), created.created
+    grads = torch.cat([f.main.grad.flatten() for f in opt.fragments if f.counted]).double()
+    total = torch.tensor([grads.square().sum().item()], dtype=torch.float64)
+    dist.all_reduce(total)
+    assert abs(norm - total.sqrt().item()) <= 1e-6 * norm  # fp32 norms of fp32 values
+
+
+def test_norms_make_no_fragment_sized_temporaries():
+    run_ranks(_check_norms_make_no_fragment_sized_temporaries, 2)
