@@ -18,7 +18,8 @@ token-wise; attention hands back its kept output rows and records q, k, v of tho
 completes each token-wise tensor in place in the buffer. The last two layers keep their
 activations (their backward starts at once); the last managed layer's prefetch is issued when
 their backward begins (a hook on the last kept layer's output gradient), so its copies too run
-during a backward instead of before its own.
+during a backward instead of before its own. A pipeline stage without kept layers is told by the
+schedule (Pipeline.unit_hooks) when a unit's backward begins, before the gradient arrives.
 
 `Memo.measure` runs an iteration without host memory to size the buffers and the pool before
 any is allocated: alpha 0, the layer input left where it is, everything else recomputed in
@@ -114,8 +115,10 @@ class Memo:
         self.pool: Optional[HostPool] = None
         self.param_storages = set(param_storages)
         self.last: Optional[LayerState] = None  # the previous managed layer of the running forward
-        # the running forward's last managed layer, until the kept layers after it take it
+        # the running forward's last managed layer, until the kept layers after it take it (or,
+        # on a stage without kept layers, the schedule's end of the unit's forward)
         self.before_kept: Optional[LayerState] = None
+        self.tails: Dict[tuple, weakref.ref] = {}  # those last layers by schedule unit, until its backward
         self.measuring: Optional[List[LayerSizes]] = None  # sizes of every forward, while measuring
         self.live = self.peak_live = 0  # managed layers between forward and backward
         self.forwards = 0  # managed forwards so far: layer i of a unit stages in buffer i % 2
@@ -171,10 +174,26 @@ class Memo:
         managed = layers[: max(len(layers) - keep_last, 0)]
         kept = len(managed) < len(layers)
         for index, layer in enumerate(managed):
-            last = kept and index == len(managed) - 1
+            last = index == len(managed) - 1
             layer.forward = _memo_forward(self, layer.forward, index, first=index == 0, last=last)
         if managed and kept:
             layers[-1].forward = _kept_forward(self, layers[-1].forward)
+
+    # ---- the pipeline schedule's units (seq1f1b.Pipeline.unit_hooks) ------------------------------
+    def forward_done(self, unit: tuple) -> None:
+        """The forward of schedule unit (chunk, micro-batch, segment) is over: its last managed
+        layer, unless kept layers after it took it, waits for the unit's backward."""
+        state, self.before_kept = self.before_kept, None
+        if state is not None:
+            self.tails[unit] = weakref.ref(state)
+
+    def backward_begins(self, unit: tuple) -> None:
+        """Before the unit's backward waits for its gradient (a stage without kept layers): its last
+        managed layer's copies run while the gradient is on its way (section 4.1: a layer's copies
+        overlap what runs before its backward)."""
+        ref = self.tails.pop(unit, None)
+        if ref is not None:
+            _start_prefetch(ref)
 
 
 def _memo_forward(memo: Memo, forward, index: int, first: bool, last: bool):
@@ -213,12 +232,16 @@ def _kept_forward(memo: Memo, forward):
 def _backward_begins(state_ref):
     # weak: the hook lives as long as the graph; the state must not (its own backward frees it)
     def hook(grad):
-        state = state_ref()
-        if state is not None:
-            state.memo.reads_done()  # the previous backward read its buffer before now
-            state.prefetch()
+        _start_prefetch(state_ref)
 
     return hook
+
+
+def _start_prefetch(state_ref) -> None:
+    state = state_ref()
+    if state is not None:
+        state.memo.reads_done()  # the previous backward read its buffer before now
+        state.prefetch()
 
 
 def _release(memo: Memo, held: list) -> None:

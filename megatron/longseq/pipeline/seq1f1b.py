@@ -46,6 +46,9 @@ class Pipeline:
     # whole-sequence tokens per rank token (cp x tp under SP): a micro-batch whose packed documents
     # chose its own segments (SEGMENT_LENGTHS) is cut by them
     token_divisor: int = 1
+    # told when a unit's forward ends and before its backward waits for its gradient (MEMO's
+    # runtime: forward_done(unit), backward_begins(unit) with unit = (chunk, micro-batch, segment))
+    unit_hooks: Optional[object] = None
 
     @property
     def splits(self) -> int:
@@ -191,6 +194,7 @@ class _Runner:
         chunk.set_input_tensor(inp)
         with self.meter.forward((c, m, s)) if self.meter is not None else contextlib.nullcontext():
             output, loss_func = self.step_func(iter([batch]), chunk)
+        self._unit_event("forward_done", (c, m, s))
         if vs == self.last_vs:
             parts = loss_func(output)
             self.losses.setdefault(m, {})[s] = parts
@@ -199,6 +203,10 @@ class _Runner:
             self.outbox["act"].send(output)
         if not self.forward_only:
             self.stored[(c, m, s)] = (inp, output)
+
+    def _unit_event(self, name: str, unit: tuple) -> None:
+        if self.pipe.unit_hooks is not None:
+            getattr(self.pipe.unit_hooks, name)(unit)
 
     def _mark_ready(self) -> None:
         """When the op's input is in hand: the timeline shows waiting for it as a gap. On GPU a
@@ -223,6 +231,7 @@ class _Runner:
         vs = c * self.p + self.pipe.rank
         inp, output = self.stored.pop((c, m, s))
         no_sync = self.config.no_sync_func if (self.config.no_sync_func and not last_of_chunk) else contextlib.nullcontext
+        self._unit_event("backward_begins", (c, m, s))
         grad = None if vs == self.last_vs else self.inbox["grad"].get((c, m, s))
         self._mark_ready()
         with no_sync():

@@ -168,10 +168,12 @@ class _Marks:
         self.at.setdefault(label, []).append(len(self.log))
 
 
-def _seq1f1b(args, alpha, recompute_kept, log=None, marks=None):
+def _seq1f1b(args, alpha, recompute_kept, log=None, marks=None, keep_none=False):
     """One Seq1F1B iteration (the last two layers full-recomputed when `recompute_kept`); MEMO over
-    the rest unless alpha is None, its streams logged into `log` after calibration, the kept
-    layers' windows marked on `marks`. Returns the gradients and the managed layers."""
+    the rest unless alpha is None -- over every layer with `keep_none`, as on a pipeline stage
+    before the last, the schedule telling it about units -- its streams logged into `log` after
+    calibration, the kept layers' windows marked on `marks`. Returns the gradients, the managed
+    layers and the runtime."""
     import pretrain_gpt
     from megatron.longseq.pipeline.seq1f1b import forward_backward_seq1f1b
     from megatron.longseq.memo.profiler import mark_layer_windows
@@ -193,16 +195,21 @@ def _seq1f1b(args, alpha, recompute_kept, log=None, marks=None):
                                  num_microbatches=args.num_microbatches, micro_batch_size=args.micro_batch_size,
                                  p2p_communicator=state.pipeline)
 
-    managed = []
-    if alpha is not None:
+    managed, memo = [], None
+    if alpha is not None and keep_none:
+        memo, managed = Memo(alpha, torch.device("cpu"), {state.optimizer.buffer.param_data.data_ptr()}), layers
+        memo.wrap(layers, keep_last=0)
+        state.pipeline.unit_hooks = memo
+    elif alpha is not None:
         memo, managed = wrap_model(state, alpha, torch.device("cpu"))
+    if memo is not None:
         memo.calibrate(run)
         state.optimizer.zero_grad()
         memo.streams = Streams(torch.device("cpu"), log)
     if marks is not None:
         mark_layer_windows(layers[-2:], marks)
     run()
-    return {n: p.main_grad.clone() for n, p in unwrap(state.model)[0].named_parameters()}, managed
+    return {n: p.main_grad.clone() for n, p in unwrap(state.model)[0].named_parameters()}, managed, memo
 
 
 @pytest.mark.parametrize("recompute_kept", [False, True], ids=["kept-layers-stored", "kept-layers-recomputed"])
@@ -214,7 +221,7 @@ def test_the_last_managed_layers_prefetch_runs_during_the_kept_layers_backward(r
     args = tiny_args("--num-layers 5 --pipe-sp-splits 2 --global-batch-size 4 " + GQA_ROPE)
     log = []
     marks = _Marks(log)
-    grads, managed = _seq1f1b(args, 0.5, recompute_kept, log, marks)
+    grads, managed, _ = _seq1f1b(args, 0.5, recompute_kept, log, marks)
     done = check(log)  # no read before its copy, no overwrite before the last reader
     n = len(managed)
     prefetched = {a.owner: a.position for a in done if a.stream == "prefetch" and a.op == "write"}
@@ -227,7 +234,41 @@ def test_the_last_managed_layers_prefetch_runs_during_the_kept_layers_backward(r
         owners.append(next(a.owner for a in reads if a.position > at and a.owner % n == n - 1))
         assert prefetched[owners[-1]] < at, f"layer {owners[-1]}'s prefetch waits for its own backward"
     assert sorted(owners) == [u * n + n - 1 for u in range(len(kept_begins))]
-    reference, _ = _seq1f1b(args, None, recompute_kept)
+    reference, _, _ = _seq1f1b(args, None, recompute_kept)
+    for name, grad in grads.items():  # bitwise on CPU; the bound of the alpha test above
+        torch.testing.assert_close(grad, reference[name], rtol=1e-6, atol=1e-9, msg=name)
+
+
+def test_a_stage_without_kept_layers_prefetches_before_its_gradient_arrives(monkeypatch):
+    """On a pipeline stage before the last, no kept layer comes after the managed ones: the schedule
+    tells MEMO that a unit's backward begins before it waits for the gradient from the next stage,
+    and the last managed layer's copies start there (issued by that call, before any of the unit's
+    backward), not with the layer's own backward."""
+    init_single_rank_world()
+    args = tiny_args("--num-layers 3 --pipe-sp-splits 2 --global-batch-size 4 " + GQA_ROPE)
+    log, calls = [], []
+    begins = Memo.backward_begins
+
+    def logged(memo, unit):  # where in the stream log the call began and ended
+        start = len(log)
+        begins(memo, unit)
+        calls.append((unit, start, len(log)))
+
+    monkeypatch.setattr(Memo, "backward_begins", logged)
+    grads, managed, memo = _seq1f1b(args, 0.5, False, log, keep_none=True)
+    done = check(log)
+    n = len(managed)
+    calls = calls[-args.num_microbatches * args.pipe_sp_splits:]  # the logged iteration's units
+    prefetched = {a.owner: a.position for a in done if a.stream == "prefetch" and a.op == "write"}
+    # units' backwards run in the reverse order of their forwards (LIFO over segments, micro-batches
+    # in order): the k-th backward is the unit whose managed forwards ended with id n-1 + n*unit
+    starts = [start for _, start, _ in calls]
+    ends = [end for _, _, end in calls]
+    tails = sorted(owner for owner in prefetched if owner % n == n - 1)
+    assert len(tails) == len(calls)
+    assert all(any(s <= prefetched[t] < e for s, e in zip(starts, ends)) for t in tails), (calls, prefetched)
+    assert not memo.tails  # every unit's tail was taken
+    reference, _, _ = _seq1f1b(args, None, False)
     for name, grad in grads.items():  # bitwise on CPU; the bound of the alpha test above
         torch.testing.assert_close(grad, reference[name], rtol=1e-6, atol=1e-9, msg=name)
 
