@@ -48,6 +48,7 @@ def wrap_model(state, alpha: float, device) -> tuple:
         keep = 2 if chunk.post_process else 0
         memo.wrap(chunk.decoder.layers, keep_last=keep)
         layers += list(chunk.decoder.layers)[: max(len(chunk.decoder.layers) - keep, 0)]
+    state.pipeline.unit_hooks = memo  # a stage without kept layers prefetches as a unit's backward begins
     return memo, layers
 
 

@@ -558,7 +558,6 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     state = setup(args, pgs, model_provider)
     if args.memo:
         state.memo = setup_memo(args, pgs, state, forward_step_func, device_of(args))
-        state.pipeline.unit_hooks = state.memo  # prefetches that start before a unit's backward
     if args.load:
         load_and_report(args, state, pgs)
     if args.ckpt_convert_format:
