@@ -144,8 +144,8 @@ class Memo:
         try:
             run()
             return self.measuring
-        finally:
-            self.measuring, self.reading, self.forwards = None, None, 0
+        finally:  # the last layer's state holds whole tensors when measuring: not while allocating
+            self.measuring, self.reading, self.forwards, self.last = None, None, 0, None
 
     def allocate(self, buffer_bytes: int, blocks: int, block_bytes: int) -> None:
         """The two rounding buffers and the host pool, once, before training."""
@@ -534,17 +534,20 @@ class _Replay:
             self.skip.add(self.out_rows.untyped_storage().data_ptr())
         return self.out_rows
 
-    def pack(self, t: torch.Tensor):
+    def pack(self, t: torch.Tensor) -> None:
+        """Records t and keeps nothing: the replay's graph never runs backward. Returning t would
+        tie each node that saves its own output (rsqrt of RMSNorm, sigmoid, exp) to itself
+        through autograd's C++ graph, where Python's gc cannot see the cycle: the replay's
+        tensors, its hooks and this layer's state would never be freed."""
         ptr = t.untyped_storage().data_ptr()
         tokens = self.state.tokens - self.state.n_off
         if ptr in self.state.memo.param_storages or ptr in self.skip:
-            return t
+            return
         if t.dim() >= 1 and t.shape[0] == tokens:
             key = (ptr, tuple(t.shape), t.stride(), t.storage_offset())
             if key not in self.order:
                 self._match(len(self.order), t)
                 self.order[key] = len(self.order)
-        return t
 
     def _match(self, k: int, t: torch.Tensor) -> None:
         items = self.token_items

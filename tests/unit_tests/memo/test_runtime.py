@@ -292,9 +292,8 @@ def test_the_schedule_check_catches_a_missing_wait():
 
 # ---- the measuring iteration -------------------------------------------------------------------------
 def _measured(args):
-    """A measuring iteration under the allocation tracer: its sizes, the bytes alive when its
-    forward is over (what its backward holds on to) and its gradients; and the sizes a training
-    iteration's forwards save."""
+    """A measuring iteration under the allocation tracer: its sizes, its bytes (`_bytes`) and its
+    gradients; and the sizes a training iteration's forwards save."""
     from megatron.longseq.memo import runtime
     from megatron.longseq.memo.trace import AllocationTracer, Trace
 
@@ -302,6 +301,8 @@ def _measured(args):
     memo = Memo(0.5, torch.device("cpu"), {p.untyped_storage().data_ptr() for p in model.parameters()})
     memo.wrap(model.decoder.layers)
     trace = Trace()
+    allocate = memo.allocate
+    memo.allocate = lambda *sizes: trace.mark("measured") or allocate(*sizes)
 
     def run():
         seed_everything(7, 0, torch.device("cpu"))  # the reference's dropout masks
@@ -323,37 +324,66 @@ def _measured(args):
         lm_loss(model, args).backward()
     finally:
         runtime.LayerState.forward = original
-    return sizes, _alive(trace), grads, [s.sizes() for s in states]
+    return sizes, _bytes(trace), grads, [s.sizes() for s in states]
 
 
-def _alive(trace):
-    """Bytes alive at "begin backward" beyond the parameters."""
-    now, at = 0, {}
+def _bytes(trace):
+    """Bytes beyond the parameters: alive when the forward is over (what the backward holds on
+    to), at the peak, and alive when measuring is over (before the buffers are allocated)."""
+    now, peak, at = 0, 0, {}
     for kind, label, size in trace.events:
         now += size if kind == "malloc" else -size if kind == "free" else 0
         at[label] = now
-    return at["begin backward"] - at["parameters"]
+        if kind != "mark" and "parameters" in at and "measured" not in at:
+            peak = max(peak, now)
+    base = at["parameters"]
+    return {"forward": at["begin backward"] - base, "peak": peak - base, "measured": at["measured"] - base}
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_the_measuring_iteration_holds_the_layer_inputs_only_and_is_exact(case):
     """Memo.measure keeps what full recompute keeps -- each managed layer's input -- instead of
-    input and attention output and lse (about twice as much): it runs where training fits."""
+    input and attention output and lse (about twice as much): it runs where training fits. Its
+    peak grows by what a layer holds from its forward to its backward or by its gradients,
+    whichever is more: no layer's forward or replay outlives that layer's backward, and nothing
+    outlives the measuring but the gradients."""
     init_single_rank_world()
-    sizes, grads, alive = {}, {}, {}
+    sizes, grads, nbytes = {}, {}, {}
     for layers in (4, 6):  # two managed layers more: what each one holds, the rest cancels
         args = tiny_args(CASES[case] + f" --num-layers {layers}")
-        sizes[layers], alive[layers], grads[layers], trained = _measured(args)
+        sizes[layers], nbytes[layers], grads[layers], trained = _measured(args)
         assert sizes[layers] == trained  # what the training forwards save, measured
         reference, _ = iteration(args, None)
         for name, grad in grads[layers].items():  # bitwise on CPU; the bound of the alpha test
             torch.testing.assert_close(grad, reference[name], rtol=1e-6, atol=1e-9, msg=name)
-    held = alive[6] - alive[4]
+        assert nbytes[layers]["measured"] == sum(g.untyped_storage().nbytes() for g in grads[layers].values())
+    held = nbytes[6]["forward"] - nbytes[4]["forward"]
     s_input = args.seq_length * args.micro_batch_size * args.hidden_size * 4
     if "dropout" in case:  # SDPA's saved tensors stay: its dropout mask cannot be drawn again
         assert held > 2 * s_input
     else:
         assert held == 2 * s_input
+    layer_grads = 2 * sum(p.numel() * 4 for p in tiny_gpt(args, grid_groups()).decoder.layers[0].parameters())
+    assert nbytes[6]["peak"] - nbytes[4]["peak"] == max(held, layer_grads)
+
+
+def test_training_iterations_leave_no_bytes_behind():
+    """The replay frees what it recomputed once its layer's backward is over. A replay graph tied
+    to itself (RMSNorm's rsqrt saves its own output) is beyond Python's gc: it kept the dropped
+    tokens' recomputed tensors of every managed layer, one more set each iteration."""
+    from megatron.longseq.memo.trace import AllocationTracer, Trace
+
+    init_single_rank_world()
+    args = tiny_args(CASES["gqa-rope-swiglu-rms"])
+    model, memo, _ = managed(args, 0.5)
+    trace, alive = Trace(), []
+    with AllocationTracer(trace):
+        for _ in range(3):  # the first makes the gradients; the others add into them
+            lm_loss(model, args).backward()
+            gc.collect()
+            alive.append(sum(size if kind == "malloc" else -size if kind == "free" else 0
+                             for kind, _, size in trace.events))
+    assert alive[2] == alive[1] == alive[0]
 
 
 # ---- memory sized once -------------------------------------------------------------------------------
