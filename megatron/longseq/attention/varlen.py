@@ -166,12 +166,15 @@ def block_forward(q, kv, groups: List[Group], kernel: AttentionKernel, scale, ou
 
 def _merge_rows(out, lse, index: Index, block_out: Tensor, block_lse: Tensor) -> None:
     """ring.merge over a group's rows: with d = block lse - lse, the new lse is lse + softplus(d)
-    and the rows merged so far keep the weight sigmoid(-d). block_out [T, h, d], block_lse [h, T]."""
+    and the rows merged so far keep the weight sigmoid(-d). block_out [T, h, d], block_lse [h, T].
+    One out-sized temporary, the gathered rows (updated in place: a bf16 block is cast on the fly)."""
     o_view, l_view = out.transpose(1, 2), lse.transpose(1, 2)  # [b, s, h, d], [b, s, h]
     l_rows = l_view[index]  # [T, h]
     d = block_lse.t() - l_rows
     l_view[index] = l_rows + torch.nn.functional.softplus(d)
-    o_view[index] = torch.lerp(block_out.float(), o_view[index], d.neg().sigmoid().unsqueeze(-1))
+    o_rows = o_view[index]  # [T, h, d], a copy
+    o_rows.sub_(block_out).mul_(d.neg_().sigmoid_().unsqueeze(-1)).add_(block_out)
+    o_view[index] = o_rows
 
 
 # ---- backward -----------------------------------------------------------------------------------------

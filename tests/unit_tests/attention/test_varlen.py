@@ -221,3 +221,22 @@ def test_the_packed_attention_benchmark_runs_and_counts_calls(capsys):
     cells = [c.strip() for c in rows[1].strip("|").split("|")]
     work, calls = float(cells[4]), cells[5]
     assert 0 < work < 0.5 and calls.startswith("0 varlen, ") and int(calls.split()[2]) > 1, rows[1]
+
+
+def test_a_merged_group_makes_one_out_sized_temporary(monkeypatch):
+    """Merging a group into the fp32 accumulators gathers its rows once and updates them in place:
+    besides the query rows the kernel is handed, one [T, h, d] temporary (no fp32 copy of the
+    block, no separate result). The kernel's own allocations are its business (paused)."""
+    from tests.unit_tests.alloc_count import CreatedTensors
+
+    install_flash_varlen_stand_ins(monkeypatch.setattr)
+    q, k, v = _inputs(0)
+    out, lse = torch.randn(q.shape), torch.randn(q.shape[:3])
+    pieces = Pieces([Piece(0, 4, 0, 4, False, 0), Piece(4, 8, 4, 8, False, 1)])  # one call of T = 8 rows
+    groups = varlen.plan(pieces, B, S, S, "cpu")
+    assert len(groups) == 1
+    counter = CreatedTensors()
+    kernel = ContractKernel(counter, varlen=True)
+    with counter:
+        varlen.block_forward(q, (k, v), groups, kernel, 0.3, out, lse)
+    assert len(counter.at_least(8 * H * D)) == 2, counter.created  # the gathered q rows and out rows
