@@ -227,23 +227,26 @@ def test_every_rank_knows_adams_step_count():
     run_ranks(_check_step_count_on_an_all_padding_shard, 2)
 
 
-def _check_norms_make_no_fragment_sized_temporaries():
-    """The norms run as torch's multi-tensor norm: the same value as the per-parameter reference,
-    and no temporary as large as the largest fragment (squaring each one made a copy of it)."""
+def _check_unscaling_makes_no_fragment_sized_temporaries():
+    """fp16 unscaling runs as torch's multi-tensor unscale-and-check: the gradients divided by the
+    scale, an overflow on one rank seen by both, and no temporary as large as a fragment (a
+    finiteness mask per fragment before)."""
+    from megatron.training.loss_scaler import LossScaler
     from tests.unit_tests.alloc_count import CreatedTensors
 
-    pgs, model, buffer, opt = _build(shard=True, overlap=False, bucket=None)
-    ddp_training(model, buffer, opt, steps=1)
+    pgs, model, buffer, _ = _build(shard=True, overlap=False, bucket=None)
+    opt = DistributedAdam(model.named_parameters(), buffer, pgs, OPT_ARGS, LossScaler(256.0, hysteresis=1))
+    ddp_training(model, buffer, opt, steps=1)  # gradients in place (its step's own unscale aside)
+    grads = [f.main.grad.clone() for f in opt.fragments]
     largest = max(f.main.numel() for f in opt.fragments)
     with CreatedTensors() as created:
-        norm = opt.grad_norm()
-        opt.params_norm()
+        found = opt._unscale_found_inf()
     assert not created.at_least(largest), created.created
-    grads = torch.cat([f.main.grad.flatten() for f in opt.fragments if f.counted]).double()
-    total = torch.tensor([grads.square().sum().item()], dtype=torch.float64)
-    dist.all_reduce(total)
-    assert abs(norm - total.sqrt().item()) <= 1e-6 * norm  # fp32 norms of fp32 values
+    assert not found and all(torch.equal(f.main.grad, g / 256.0) for f, g in zip(opt.fragments, grads))
+    if dist.get_rank() == 0:
+        opt.fragments[0].main.grad.view(-1)[0] = float("inf")
+    assert opt._unscale_found_inf()  # every rank learns of the one overflow
 
 
-def test_norms_make_no_fragment_sized_temporaries():
-    run_ranks(_check_norms_make_no_fragment_sized_temporaries, 2)
+def test_unscaling_makes_no_fragment_sized_temporaries():
+    run_ranks(_check_unscaling_makes_no_fragment_sized_temporaries, 2)
