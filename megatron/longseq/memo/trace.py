@@ -71,8 +71,10 @@ class Trace:
 
 class AllocationTracer(TorchDispatchMode):
     """CPU stand-in for the CUDA allocator history: a storage an operator creates is a malloc
-    (views of existing storages are not), its destruction -- the storage object dies with the
-    storage, however many views or autograd references kept it -- is the free."""
+    (views and in-place results, on a storage of one of its inputs, are not: a parameter made
+    before tracing began is no allocation when an op views it), its destruction -- the storage
+    object dies with the storage, however many views or autograd references kept it -- is the
+    free."""
 
     def __init__(self, trace: Trace = None):
         super().__init__()
@@ -82,14 +84,16 @@ class AllocationTracer(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor) and t.device.type != "meta"}
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                self._record(t.untyped_storage())
+                self._record(t.untyped_storage(), inputs)
         return out
 
-    def _record(self, storage) -> None:
+    def _record(self, storage, inputs: set) -> None:
         ptr = storage.data_ptr()
-        if ptr == 0 or ptr in self.live:
+        if ptr == 0 or ptr in self.live or ptr in inputs:
             return
         self.count += 1
         tid, size = f"t{self.count}", storage.nbytes()

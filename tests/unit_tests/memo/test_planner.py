@@ -71,6 +71,21 @@ def test_tracer_records_allocations_and_frees():
     assert all(e[2] == 4000 for e in trace.events)
 
 
+def test_tracer_takes_no_view_of_an_older_storage_for_an_allocation():
+    """A parameter made before tracing began, viewed (weight.t()) or updated in place by an op, is
+    no allocation: it would stay in the trace as a block never freed, sized like the parameter."""
+    weight = torch.nn.Parameter(torch.ones(30, 20))
+    trace = Trace()
+    with AllocationTracer(trace):
+        with torch.no_grad():
+            weight.t().mul_(1.0)
+        out = torch.ones(5, 20) @ weight.t()
+        del out
+    # the input of ones (400 bytes) and the product (600), each freed; nothing of the weight's 2400
+    assert [(kind, size) for kind, _, size in trace.events] == [("malloc", 400), ("malloc", 600), ("free", 400),
+                                                              ("free", 600)]
+
+
 def test_cuda_history_carries_the_window_marks():
     """On a GPU the marks travel through torch's allocator history as allocations on a marker
     stream (profiler.CudaMarks); the trace gets them back in place, and a lost one is an error."""

@@ -311,9 +311,7 @@ def _measured(args):
         trace.mark("begin backward")
         loss.backward()
 
-    with AllocationTracer(trace):
-        for p in model.parameters():  # the tracer sees a storage made before it as new when an op
-            p.view_as(p)  # returns a view of it: count the parameters here, before the iteration
+    with AllocationTracer(trace):  # the parameters, made before, are no allocations of the trace
         trace.mark("parameters")
         sizes = memo.calibrate(run)
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
