@@ -11,13 +11,14 @@ the parameter's shape, cut like the parameter (Megatron's fully reshardable form
 data-parallel sharding of the run that wrote it. A load reads, into host memory, the state of the
 parameters this rank's shard touches only, and takes it from what the load returns.
 
-A save is one megatron-core async request on every path: tensors are copied to host memory, a
-forked process writes them, and a collective finish gathers the write results, writes the metadata,
-renames iter_XXXXXXX.tmp into place and only then replaces the tracker. With --async-save the
-training loop goes on while the process writes; the next save and the end of the run wait for it.
-A crash or SIGKILL at any moment leaves the previous checkpoint and a tracker that points at it.
-With --verify-integrity the finished files are hashed (sha256, the ranks sharing the files) into
-integrity.json before the rename, and a load checks them first.
+A save is one megatron-core async request on every path: device tensors are copied to host memory,
+a forked process writes them (host tensors from its copy-on-write snapshot of the memory), and a
+collective finish gathers the write results, writes the metadata, renames iter_XXXXXXX.tmp into
+place and only then replaces the tracker. With --async-save the training loop goes on while the
+process writes; the next save and the end of the run wait for it. A crash or SIGKILL at any
+moment leaves the previous checkpoint and a tracker that points at it. With --verify-integrity the
+finished files are hashed (sha256, the ranks sharing the files) into integrity.json before the
+rename, and a load checks them first.
 
 megatron-core's torch_dist writer assumes CUDA twice (staging ends in torch.cuda.synchronize; the
 finish broadcasts a CUDA tensor). The strategy below replaces those two steps with device-agnostic
@@ -56,15 +57,28 @@ from megatron.training.optimizer import MODEL_SPACE
 
 # ---- the writer: host staging and a device-agnostic finish ---------------------------------------
 def _stage_on_host(writer):
-    """Copies, never references: training goes on while they are written, and `.to("cpu")` of a
-    host tensor would be the tensor itself. The writer keeps the copies only, so the device tensors
-    (the optimizer's gathered state among them) are freed as soon as the caller lets go of them."""
-    staged = []
+    """The write buckets in host memory, for the forked writer, which touches no device. A device
+    tensor is copied into pinned memory without blocking (torch pins the destination of a
+    non-blocking device-to-host copy, and its host allocator keeps the pinned blocks for the next
+    save), behind one wait per device; a host tensor is taken as it is: the fork that follows
+    snapshots host memory, so training goes on without reaching the writer, and a second copy would
+    only double the host memory of the optimizer state. The writer keeps what is returned only, so
+    the device tensors (the model's weights) are freed as soon as the caller lets go of them."""
+    staged, devices = [], set()
     for file_name, storage_key, (bytes_data, tensor_data) in writer.write_buckets:
-        tensors = [(item, t.detach().to("cpu", copy=True)) for item, t in tensor_data]
+        tensors = [(item, _to_host(t.detach(), devices)) for item, t in tensor_data]
         staged.append((file_name, storage_key, (bytes_data, tensors)))
+    for device in devices:  # the copies were queued on the current stream: one wait for them all
+        torch.get_device_module(device).current_stream(device).synchronize()
     writer.write_buckets = staged
     return staged
+
+
+def _to_host(t: torch.Tensor, devices: set) -> torch.Tensor:
+    if t.device.type == "cpu":
+        return t
+    devices.add(t.device)
+    return t.to("cpu", non_blocking=True)
 
 
 def _finish_write(writer, global_metadata, dist_wrapper) -> None:
@@ -125,12 +139,6 @@ def _optimizer_sharded(chunks, model_sd: dict, states: dict, reads=None) -> dict
                 sh = replace(sh, replica_id=(*sh.replica_id[:-1], 0 if reads(p) else 1))
             out[_state_key(key, name, state)] = sh
     return out
-
-
-def _flat_views(flats: dict, offsets: dict) -> dict:
-    """A save's states: views of the gathered flats (laid out like the flat buffers)."""
-    return {p: {state: flats[state][lo : lo + p.numel()].view_as(p) for state in MODEL_SPACE}  # flat -> p's shape
-            for p, lo in offsets.items()}
 
 
 def _rng_sharded(pgs) -> ShardedObject:
@@ -196,9 +204,8 @@ class CheckpointSaver:
             shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
             os.makedirs(tmp)
         dist.barrier()
-        views = None if args.no_save_optim else _flat_views(state.optimizer.model_space_state(),
-                                                            state.optimizer.buffer.offsets)
-        sd = {**_common(args, state, self.pgs), **_sharded(state, self.pgs, views, not args.no_save_rng)}
+        states = None if args.no_save_optim else state.optimizer.param_space_state()
+        sd = {**_common(args, state, self.pgs), **_sharded(state, self.pgs, states, not args.no_save_rng)}
         request = dist_checkpointing.save(sd, tmp, self.strategy, async_sharded_save=True)
         self._start(request, state.iteration, on_done)
         if not args.async_save:
@@ -211,8 +218,9 @@ class CheckpointSaver:
             save_args[1] = request.preload_fn()  # the write buckets, now host copies
         process = None
         if request.async_fn is not None:  # None: this rank has nothing to write
-            # fork: the staged tensors are inherited, not pickled (megatron-core's own async caller
-            # does the same); the child touches no device.
+            # fork, right after staging and before training goes on: the staged tensors are inherited,
+            # not pickled (megatron-core's own async caller does the same), and the child writes host
+            # tensors as they were at this moment; it touches no device.
             process = mp.get_context("fork").Process(target=request.async_fn, args=save_args,
                                                      kwargs=request.async_fn_kwargs, daemon=False)
             process.start()

@@ -192,10 +192,28 @@ class DistributedAdam:
     def model_space_state(self) -> Dict[str, torch.Tensor]:
         """Main params and Adam moments of every parameter of this model part, whole on every
         data-parallel rank, in host memory, laid out like the flat buffers: the form a checkpoint
-        cuts by model parameter, so that it loads under any tp/pp/dp. Gathered one bucket at a
-        time: the device holds one bucket's copy, not three fp32 copies of the model part."""
-        device = self.main_data.device
+        cuts by model parameter, so that it loads under any tp/pp/dp."""
         flats = {name: torch.zeros(self.main_data.numel(), dtype=torch.float32) for name in MODEL_SPACE}
+        for bucket, name, piece in self._gathered_buckets():
+            flats[name][bucket.start : bucket.end] = piece
+        return flats
+
+    def param_space_state(self) -> Dict[torch.nn.Parameter, Dict[str, torch.Tensor]]:
+        """The same per parameter: states[p][name] in p's shape, each a tensor of its own (a
+        checkpoint writer would copy a view first, as it serializes a view's whole storage), cut
+        from one bucket at a time: the host holds the state once, not a flat copy beside it."""
+        states = {p: {} for p in self.buffer.offsets}
+        for bucket, name, piece in self._gathered_buckets():
+            for p in bucket.params:
+                lo = self.buffer.offsets[p] - bucket.start
+                states[p][name] = piece[lo : lo + p.numel()].clone().view_as(p)  # flat [numel] -> p's shape
+        return states
+
+    def _gathered_buckets(self):
+        """(bucket, name, fp32 host tensor over the bucket) for every bucket and MODEL_SPACE name,
+        whole on every data-parallel rank. One bucket at a time: the device holds one bucket's
+        copy, not three fp32 copies of the model part."""
+        device = self.main_data.device
         for bucket in self.buffer.buckets:
             inside = [f for f in self.fragments if bucket.start <= f.start < bucket.end]
             for name in MODEL_SPACE:
@@ -206,8 +224,7 @@ class DistributedAdam:
                         piece[f.start - bucket.start : f.start - bucket.start + f.main.numel()] = source
                 if self.buffer.shards > 1:
                     self.buffer.gather_bucket(piece, bucket)
-                flats[name][bucket.start : bucket.end] = piece.cpu()
-        return flats
+                yield bucket, name, piece.cpu()
 
     def param_state(self, p, name: str) -> Optional[torch.Tensor]:
         """Unsharded only: model parameter p's `name` (one of MODEL_SPACE) in p's shape, read from

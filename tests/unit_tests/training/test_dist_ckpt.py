@@ -1,6 +1,7 @@
 """torch_dist checkpoints: complete and exact in one layout, atomic, asynchronous; loading into
 other layouts is proven end to end in tests/functional_tests (resharding)."""
 import os
+import time
 
 import pytest
 import torch
@@ -113,6 +114,86 @@ def test_async_save_holds_only_host_copies_while_writing(tmp_path, monkeypatch):
     assert len(staged) == 1 and writer.write_buckets is staged[0]
     assert not any(isinstance(x, AsyncRequest) for x in state.saver.pending)
     state.saver.finish(blocking=True)
+
+
+def test_a_save_holds_the_optimizer_state_in_host_memory_once(tmp_path):
+    """The tensors a save creates (torch_dist, bf16 model of N parameters, fp32 main copy and two
+    moments): each bucket's gathered state (3N fp32 over all buckets, one bucket alive at a time),
+    the per-parameter state cut from it (3N, what is written), and megatron-core's copy of the
+    weights, which are views of the flat buffer (N bf16; on a GPU the pinned copy instead). The
+    flat gathered copy beside the per-parameter one, megatron-core's copies of its views and a
+    staging copy of every host tensor made it 12N fp32 and 2N bf16 before."""
+    from tests.unit_tests.alloc_count import CreatedTensors
+
+    args, _, state = saver_state(tmp_path)
+    train_one_step(state, args)
+    n = state.optimizer.main_data.numel()
+    with CreatedTensors() as created:
+        state.saver.save(state)
+    fp32 = sum(numel for _, numel, dtype in created.created if dtype == torch.float32)
+    bf16 = sum(numel for _, numel, dtype in created.created if dtype == torch.bfloat16)
+    assert (fp32, bf16) == (6 * n, n)
+
+
+class _DeviceTensorStandIn:
+    """What staging asks of a CUDA tensor: its device, detach() and to(); to() is recorded."""
+
+    def __init__(self, value: torch.Tensor, calls: list):
+        self.device, self.value, self.calls = torch.device("cuda", 0), value, calls
+
+    def detach(self):
+        return self
+
+    def to(self, device, **kwargs):
+        self.calls.append(("copy", device, kwargs))
+        return self.value.clone()
+
+
+def test_staging_copies_device_tensors_without_blocking_then_waits_once(monkeypatch):
+    """GPU contract, with CUDA stood in: every device tensor is copied to the host non-blocking (a
+    pinned destination: the copies queue, nothing waits per tensor), one wait on the current stream
+    follows them all, and host tensors are taken as they are (the fork snapshots them)."""
+    from types import SimpleNamespace
+
+    from megatron.training import dist_ckpt
+
+    calls = []
+    stream = SimpleNamespace(synchronize=lambda: calls.append(("wait",)))
+    monkeypatch.setattr(torch, "get_device_module", lambda device: SimpleNamespace(
+        current_stream=lambda d: calls.append(("stream", d)) or stream))
+    host = torch.arange(4.0)
+    weights = [torch.full((3,), float(i)) for i in range(3)]
+    writer = SimpleNamespace(write_buckets=[
+        ("__0_0.distcp", "k0", ([], [("w0", _DeviceTensorStandIn(weights[0], calls)), ("opt", host)])),
+        ("__0_1.distcp", "k1", ([], [("w1", _DeviceTensorStandIn(weights[1], calls)),
+                                     ("w2", _DeviceTensorStandIn(weights[2], calls))])),
+    ])
+    staged = dist_ckpt._stage_on_host(writer)
+    cuda0 = torch.device("cuda", 0)
+    assert calls == [("copy", "cpu", {"non_blocking": True})] * 3 + [("stream", cuda0), ("wait",)]
+    tensors = [t for _, _, (_, items) in staged for _, t in items]
+    assert tensors[1].data_ptr() == host.data_ptr()  # not copied
+    assert all(torch.equal(t, w) for t, w in zip([tensors[0], tensors[2], tensors[3]], weights))
+    assert writer.write_buckets is staged
+
+
+def test_the_writer_writes_host_tensors_as_they_were_when_the_save_started(tmp_path):
+    """Host tensors are staged without a copy: the writer is forked right after staging, so what
+    training changes afterwards never reaches the file."""
+    from types import SimpleNamespace
+
+    weights, out = torch.zeros(1000), str(tmp_path / "written.pt")
+
+    def write(_, buckets):
+        time.sleep(0.5)  # the parent changes the weights meanwhile
+        torch.save(buckets[0], out)
+    request = SimpleNamespace(async_fn=write, async_fn_args=[None, None], async_fn_kwargs={},
+                              preload_fn=lambda: [weights], finalize_fns=[])
+    saver = CheckpointSaver.__new__(CheckpointSaver)
+    saver._start(request, 1, None)
+    weights.add_(1.0)  # training goes on
+    saver.pending[0].join()
+    assert saver.pending[0].exitcode == 0 and torch.equal(torch.load(out), torch.zeros(1000))
 
 
 def _check_load_asks_owned_host_state_and_reads_what_load_returns(tmp_dir, sharded_optimizer):
