@@ -3,7 +3,8 @@
 megatron-core's DistributedDataParallel allocates its buffers on CUDA; this is a device-agnostic
 counterpart with the same contract:
 - every parameter's data and gradient live in two flat buffers (params in model dtype, grads in
-  fp32 when the model is bf16 -- Megatron accumulates and reduces bf16 gradients in fp32);
+  fp32 when the model is bf16 -- Megatron accumulates and reduces bf16 gradients in fp32), padded
+  as megatron-core pads them when the optimizer is sharded (bucket_layout);
 - `param.main_grad` is the parameter's view of the gradient buffer; each micro-batch's `.grad`
   is added into it by a post-accumulate hook and then freed -- unless a fused weight-gradient GEMM
   (--gradient-accumulation-fusion on GPU) accumulated into main_grad itself: megatron-core's and
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -51,8 +53,36 @@ class Bucket:
         return self.start + shard_rank * size, self.start + (shard_rank + 1) * size
 
 
-def _pad(n: int, multiple: int) -> int:
+def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+PARAM_ALIGN = 64  # elements: 128-byte aligned starts for >= 16-bit parameters
+BUCKET_ALIGN = 128  # elements: 256-byte aligned bucket (and so shard) starts
+
+
+def bucket_layout(numels: List[int], bucket_elements: int, shards: int, aligned: bool):
+    """Where parameters of `numels` elements (in bucket order) lie in the flat buffers:
+    ([(start, end, [their indices])] per bucket, [start] per parameter). A bucket closes once it
+    spans `bucket_elements`; its length is a multiple of `shards`, so every shard is an equal slice.
+    `aligned` (the sharded optimizer) is megatron-core's layout: each parameter starts at a multiple
+    of PARAM_ALIGN elements and each bucket ends at a multiple of lcm(shards, BUCKET_ALIGN), so the
+    shards, their fp32 main copies and the optimizer's multi-tensor kernels see aligned pointers
+    (vectorized loads want 16 bytes) whatever the parameter sizes."""
+    param_align, end_align = (PARAM_ALIGN, math.lcm(shards, BUCKET_ALIGN)) if aligned else (1, shards)
+    buckets, starts, members, start, pos = [], [], [], 0, 0
+    for i, n in enumerate(numels):
+        pos = round_up(pos, param_align)
+        starts.append(pos)
+        members.append(i)
+        pos += n
+        if pos - start >= bucket_elements:
+            end = round_up(pos, end_align)
+            buckets.append((start, end, members))
+            members, start, pos = [], end, end
+    if members:
+        buckets.append((start, round_up(pos, end_align), members))
+    return buckets, starts
 
 
 class GradBuffer:
@@ -82,41 +112,27 @@ class GradBuffer:
         # Backward produces gradients roughly in reverse registration order: buckets follow it,
         # so the first bucket is ready first.
         ordered = list(reversed(params))
-        self.buckets = self._make_buckets(ordered, bucket_elements or DEFAULT_BUCKET_ELEMENTS)
+        spans, starts = bucket_layout([p.numel() for p in ordered], bucket_elements or DEFAULT_BUCKET_ELEMENTS,
+                                      self.shards, aligned=shard)
+        self.buckets = [Bucket([ordered[i] for i in members], lo, hi) for lo, hi, members in spans]
+        self.offsets: Dict[torch.nn.Parameter, int] = dict(zip(ordered, starts))
         total = self.buckets[-1].end
         self.param_data = torch.zeros(total, dtype=dtype, device=device)
         self.grad_data = torch.zeros(total, dtype=self.grad_dtype, device=device)
-        self.offsets: Dict[torch.nn.Parameter, int] = {}
-        self._place(ordered)
+        self._place()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in ordered]
 
-    def _make_buckets(self, ordered, bucket_elements) -> List[Bucket]:
-        buckets, current, start, size = [], [], 0, 0
-        for p in ordered:
-            current.append(p)
-            size += p.numel()
-            if size >= bucket_elements:
-                end = start + _pad(size, self.shards)
-                buckets.append(Bucket(current, start, end))
-                current, start, size = [], end, 0
-        if current:
-            buckets.append(Bucket(current, start, start + _pad(size, self.shards)))
-        return buckets
-
-    def _place(self, ordered):
+    def _place(self):
         """Move every parameter into the flat buffer and give it a main_grad view."""
         self.bucket_of = {}
         for bucket in self.buckets:
-            offset = bucket.start
             for p in bucket.params:
-                n = p.numel()
+                offset, n = self.offsets[p], p.numel()
                 self.param_data[offset : offset + n].copy_(p.data.view(-1))
                 p.data = self.param_data[offset : offset + n].view_as(p)
                 p.main_grad = self.grad_data[offset : offset + n].view_as(p)
                 p.grad_added_to_main_grad = False  # the fused linears' protocol (megatron-core's DDP)
-                self.offsets[p] = offset
                 self.bucket_of[p] = bucket
-                offset += n
 
     # ---- accumulation and reduction ------------------------------------------------------
     def _on_grad(self, p: torch.nn.Parameter) -> None:

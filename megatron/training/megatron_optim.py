@@ -26,7 +26,8 @@ FP32Optimizer's (torch's state dict itself) without. torch's state dict indexes 
 chunk after chunk (megatron-core's _get_param_groups); each index's state is
 {"step", "exp_avg", "exp_avg_sq"} in the parameter's shape.
 
-This trainer's own buffer is laid out differently (no alignment, its own buckets): the state goes
+This trainer's own buffer aligns as megatron-core's does with the distributed optimizer, but keeps
+its own buckets (no bucket of its own for the shared embedding; its own bucket size): the state goes
 through model space (per parameter) between the two.
 """
 from __future__ import annotations
@@ -35,15 +36,11 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from megatron.training.distributed import PARAM_ALIGN, round_up
 from megatron.training.optimizer import group_key
 
 # Megatron's names of the per-parameter state, and ours (DistributedAdam.model_space_state).
 STATES = {"param": "fp32_param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
-PARAM_ALIGN = 64  # elements: 128-byte aligned starts for >= 16-bit parameters
-
-
-def _pad(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def bucket_size(args, chunk: int, pp_rank: int, dp_size: int) -> Optional[int]:
@@ -59,7 +56,7 @@ def coalesced_ranges(params: List[torch.nn.Parameter], size: Optional[int]) -> T
     ranges, done, pos = {}, 0, 0  # done: elements of closed buckets; pos: offset in the open one
     for p in reversed(params):
         shared = getattr(p, "shared_embedding", False)
-        pos = _pad(pos, PARAM_ALIGN)
+        pos = round_up(pos, PARAM_ALIGN)
         if shared and pos:  # the shared embedding is alone in a bucket: close the open one, padding included
             done, pos = done + pos, 0
         ranges[p] = (done + pos, done + pos + p.numel())

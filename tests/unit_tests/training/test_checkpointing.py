@@ -210,9 +210,9 @@ def test_a_contradicting_model_is_one_line_before_anything_is_built(tmp_path, fm
 
 
 # ---- the distributed optimizer in Megatron's layout (distrib_optim.pt) --------------------------
-def megatron_core_coalesced(params, bucket_size):
-    """Each parameter's range in Megatron's coalesced tensors, from megatron-core's own
-    _ParamAndGradBuffer (built on the host: its storage asks torch.cuda for a device)."""
+def megatron_core_buffer(params, bucket_size, dp_group=None):
+    """megatron-core's own _ParamAndGradBuffer with the distributed optimizer over `params`, built
+    on the host (its storage asks torch.cuda for a device); dp_group: this rank's by default."""
     from types import SimpleNamespace
     from unittest import mock
 
@@ -220,16 +220,22 @@ def megatron_core_coalesced(params, bucket_size):
     from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer
 
     pgs = grid_groups()
+    dp_group = dp_group or pgs.dp_cp
     config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True)
+    with mock.patch("torch.cuda.current_device", lambda: "cpu"):
+        return _ParamAndGradBuffer(config, params[0].dtype, torch.float32, params, dp_group, bucket_size,
+                                   {p: str(i) for i, p in enumerate(params)}, 1.0, list(range(len(params))),
+                                   False, pg_collection=SimpleNamespace(tp=pgs.tp, dp_cp=dp_group))
+
+
+def megatron_core_coalesced(params, bucket_size):
+    """Each parameter's range in Megatron's coalesced tensors, from megatron-core's own buffer."""
     # stand-ins: megatron-core's buffer moves its parameters' storage into its own
     copies = [torch.nn.Parameter(torch.empty_like(p)) for p in params]
     for copy, p in zip(copies, params):
         copy.shared_embedding = getattr(p, "shared_embedding", False)
     stand_ins = dict(zip(copies, params))
-    with mock.patch("torch.cuda.current_device", lambda: "cpu"):
-        buffer = _ParamAndGradBuffer(config, params[0].dtype, torch.float32, copies, pgs.dp_cp, bucket_size,
-                                     {p: str(i) for i, p in enumerate(copies)}, 1.0, list(range(len(copies))),
-                                     False, pg_collection=SimpleNamespace(tp=pgs.tp, dp_cp=pgs.dp_cp))
+    buffer = megatron_core_buffer(copies, bucket_size)
     before = [sum(b.numel_unpadded for b in buffer.buckets[:i]) for i in range(len(buffer.buckets))]
     ranges = {}
     for copy, (start, end, b) in buffer.param_index_map.items():

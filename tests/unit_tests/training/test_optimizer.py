@@ -1,5 +1,6 @@
 """Gradient buffer + AdamW on 2 data-parallel ranks against one process training on the full batch."""
 import copy
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -250,3 +251,44 @@ def _check_unscaling_makes_no_fragment_sized_temporaries():
 
 def test_unscaling_makes_no_fragment_sized_temporaries():
     run_ranks(_check_unscaling_makes_no_fragment_sized_temporaries, 2)
+
+
+class _GroupOfSize:
+    """A data-parallel group as megatron-core's buffer asks it while laying itself out."""
+
+    def __init__(self, size: int):
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return 0
+
+
+@pytest.mark.parametrize("shards", [1, 3, 256])
+@pytest.mark.parametrize("bucket_size", [None, 400, 1])
+def test_the_sharded_buffer_is_laid_out_as_megatron_cores(shards, bucket_size):
+    """With the distributed optimizer every parameter starts at a multiple of 64 elements and every
+    bucket ends at a multiple of lcm(shards, 128): the parameter starts and bucket bounds of
+    megatron-core's own buffer, for odd sizes and bucket closings, 1, 3 and 256 shards. (Its shared
+    embedding's bucket of its own is not taken: tied embeddings are handled by `deferred` here.)"""
+    from megatron.training.distributed import bucket_layout
+    from tests.unit_tests.dist_utils import init_single_rank_world
+    from tests.unit_tests.training.test_checkpointing import megatron_core_buffer
+
+    init_single_rank_world()
+    numels = (100, 7, 300, 65, 1, 500, 64)
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in numels]
+    theirs = megatron_core_buffer(params, bucket_size, _GroupOfSize(shards))
+    spans, starts = bucket_layout(list(reversed(numels)), bucket_size or 10**8, shards, aligned=True)
+    assert [(lo, hi) for lo, hi, _ in spans] == theirs.bucket_indices
+    assert starts == [theirs.param_index_map[p][0] for p in reversed(params)]
+    assert all(start % 64 == 0 for start in starts) and all(hi % math.lcm(shards, 128) == 0 for _, hi, _ in spans)
+
+
+def test_the_unsharded_buffer_has_no_padding():
+    from megatron.training.distributed import bucket_layout
+
+    spans, starts = bucket_layout([100, 7, 300], 10**8, 1, aligned=False)
+    assert spans == [(0, 407, [0, 1, 2])] and starts == [0, 100, 107]
