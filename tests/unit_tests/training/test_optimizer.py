@@ -292,3 +292,20 @@ def test_the_unsharded_buffer_has_no_padding():
 
     spans, starts = bucket_layout([100, 7, 300], 10**8, 1, aligned=False)
     assert spans == [(0, 407, [0, 1, 2])] and starts == [0, 100, 107]
+
+
+def _check_sharded_fragments_start_aligned():
+    pgs = grid_groups()
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3)).to(torch.bfloat16)
+    buffer = GradBuffer(list(model.parameters()), pgs.dp_cp, shard=True, overlap=False)
+    opt = DistributedAdam(model.named_parameters(), buffer, pgs, OPT_ARGS)
+    assert all(offset % 64 == 0 for offset in buffer.offsets.values())
+    assert opt.fragments and all(f.main.data_ptr() % 16 == 0 and f.main.grad.data_ptr() % 16 == 0
+                                 for f in opt.fragments)
+
+
+def test_sharded_fragments_start_aligned():
+    """The buffer the trainer builds: on both of two ranks, every fp32 main fragment and its
+    gradient start 16-byte aligned (what vectorized multi-tensor kernels need), with parameters
+    of 35, 5, 15 and 3 elements."""
+    run_ranks(_check_sharded_fragments_start_aligned, 2)
