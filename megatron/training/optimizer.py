@@ -48,6 +48,13 @@ def param_group(params, decay: bool, own_lr: bool, args) -> dict:
     return group
 
 
+def fused_adamw(device: torch.device) -> Optional[bool]:
+    """torch's fused AdamW on CUDA: one kernel pass over every tensor, where the multi-tensor path
+    takes several (Megatron runs Transformer Engine's or apex's fused Adam); torch's default
+    elsewhere."""
+    return True if device.type == "cuda" else None
+
+
 @dataclass
 class Fragment:
     main: torch.Tensor  # fp32 view of the main buffer; .grad is a view of the grad buffer
@@ -85,9 +92,10 @@ class DistributedAdam:
         present = {group_key(n, p, args) for p, n in names.items() if p.requires_grad}
         self.group_keys = [key for key in GROUP_ORDER if key in present]  # of self.param_groups, in turn
         param_groups = [param_group(groups[key], *key, args) for key in self.group_keys]
+        self.fused = fused_adamw(self.main_data.device)
         self.optimizer = torch.optim.AdamW(
             param_groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
-            eps=args.adam_eps, weight_decay=args.weight_decay,
+            eps=args.adam_eps, weight_decay=args.weight_decay, fused=self.fused,
         )
         # Adam's step count, kept here rather than read from a parameter's state: a rank whose
         # shard is all padding has none, and every rank must agree on it
@@ -269,7 +277,11 @@ class DistributedAdam:
             f.main.copy_(piece(f, "fp32_param"))
             self.optimizer.state.pop(f.main, None)
             if steps:
-                # torch's AdamW keeps the step as a float32 scalar tensor on the host
-                self.optimizer.state[f.main] = {"step": torch.tensor(float(steps), dtype=torch.float32),
+                self.optimizer.state[f.main] = {"step": self._step_tensor(steps, f.main.device),
                                                 "exp_avg": piece(f, "exp_avg").to(f.main.device, copy=True),
                                                 "exp_avg_sq": piece(f, "exp_avg_sq").to(f.main.device, copy=True)}
+
+    def _step_tensor(self, steps: int, device: torch.device) -> torch.Tensor:
+        """Adam's step where torch's AdamW keeps it: a float32 scalar on the host, or on the
+        parameter's device for the fused kernel (torch's note [special device hosting for step])."""
+        return torch.tensor(float(steps), dtype=torch.float32, device=device if self.fused else "cpu")

@@ -122,10 +122,16 @@ def test_two_distributed_optimizer_instances_match_full_batch_adamw(avg):
     run_ranks(_check_against_reference, 4, True, True, 50, True, avg, 2)
 
 
-def _check_checkpoint_round_trip(shard, dtype):
+def _check_checkpoint_round_trip(shard, dtype, fused=False):
     """The state every checkpoint holds: model space (laid out like this buffer, whole on every
-    rank; checkpointing maps it per parameter to Megatron's layouts)."""
+    rank; checkpointing maps it per parameter to Megatron's layouts). `fused`: torch's fused AdamW,
+    which a CUDA run takes, here on the host."""
+    if fused:
+        from megatron.training import optimizer
+
+        optimizer.fused_adamw = lambda device: True
     pgs, model, buffer, opt = _build(shard, True, 50, dtype)
+    assert all(g["fused"] is (True if fused else None) for g in opt.param_groups)
     ddp_training(model, buffer, opt, steps=2)
     gathered, real_gather = [], dist.all_gather_into_tensor
     dist.all_gather_into_tensor = lambda out, *a, **k: gathered.append(out.numel()) or real_gather(out, *a, **k)
@@ -147,6 +153,8 @@ def _check_checkpoint_round_trip(shard, dtype):
     ddp_training(model2, buffer2, opt2, steps=2, start=2)
     for (name, p), q in zip(model.named_parameters(), model2.parameters()):
         assert torch.equal(p, q), name  # bitwise: resume is exact
+    steps_kept = [(s["step"].device, s["step"].dtype) for o in (opt, opt2) for s in o.optimizer.state.values()]
+    assert len(set(steps_kept)) == 1  # the loaded step where torch's own AdamW keeps it
     if dtype == torch.bfloat16:  # fp32 main params restored, not re-rounded
         assert torch.equal(opt.model_space_state()["fp32_param"], opt2.model_space_state()["fp32_param"])
 
@@ -155,6 +163,10 @@ def _check_checkpoint_round_trip(shard, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_optimizer_state_round_trip_is_exact(shard, dtype):
     run_ranks(_check_checkpoint_round_trip, 2, shard, dtype)
+
+
+def test_fused_adamw_state_round_trip_is_exact():
+    run_ranks(_check_checkpoint_round_trip, 2, True, torch.bfloat16, True)
 
 
 def _check_nan_grad_raises():
