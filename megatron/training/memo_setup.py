@@ -12,7 +12,7 @@ import torch.distributed as dist
 from megatron.longseq.collectives import all_reduce_values
 from megatron.longseq.memo import allocator
 from megatron.longseq.memo.alpha import HostMemoryError, block_bytes, check_fixed, solve_alpha
-from megatron.longseq.memo.planner import bilevel_plan, load_plan_summary, saved_replay
+from megatron.longseq.memo.planner import bilevel_plan, load_plan_summary, saved_replay, stage_plan_path
 from megatron.longseq.memo.profiler import bandwidth, mark_layer_windows, profile_sizes, trace_iteration
 from megatron.longseq.memo.runtime import Memo
 from megatron.longseq.pipeline.seq1f1b import forward_backward_seq1f1b
@@ -25,17 +25,32 @@ def _agree(value: float, op, group) -> float:
     return all_reduce_values([value], op, group)[0]
 
 
-def _refuse_together(step):
-    """Run `step` (which may raise HostMemoryError) on every rank; if it raised on any, raise on
-    all: a refusal must stop every rank before training, not leave the others waiting."""
+def _refuse_together(step, refusal=HostMemoryError, elsewhere="MEMO: another rank's plan exceeds its host memory budget"):
+    """Run `step` (which may raise `refusal`) on every rank; if it raised on any, raise on all: a
+    refusal must stop every rank before training, not leave the others waiting."""
     result, error = None, ""
     try:
         result = step()
-    except HostMemoryError as err:
+    except refusal as err:
         error = str(err)
     if _agree(1.0 if error else 0.0, dist.ReduceOp.MAX, None):
-        raise HostMemoryError(error or "MEMO: another rank's plan exceeds its host memory budget")
+        raise refusal(error or elsewhere)
     return result
+
+
+def _window_labels(layers) -> set:
+    return {f"{edge} {kind} L{layer.layer_number}" for layer in layers
+            for edge in ("begin", "end") for kind in ("fwd", "bwd")}
+
+
+def _saved_plan(path: str, layers) -> dict:
+    """A saved plan for this stage's managed layers, or one line saying whose it is."""
+    summary = load_plan_summary(path)
+    foreign = sorted({label for label, _ in summary["replay"]["marks"]} - _window_labels(layers))
+    if foreign:
+        raise ValueError(f"--memo-plan: {path} was planned for other layers ({', '.join(foreign[:4])}"
+                         f"{', ...' if len(foreign) > 4 else ''}): another model or pipeline stage; plan again")
+    return summary
 
 
 def wrap_model(state, alpha: float, device) -> tuple:
@@ -78,16 +93,19 @@ def setup_memo(args, pgs, state, forward_step_func, device) -> Memo:
     memo.allocator = planned
     if planned is not None:  # from now on every managed layer's forward and backward is a window
         memo.window_handles = mark_layer_windows(layers, planned)
+    stage, stages = pgs.index("pp"), pgs.size("pp")
     if args.memo_plan:
-        summary = load_plan_summary(args.memo_plan)
-        print_rank_0(f"MEMO memory plan: reused {args.memo_plan} (peak {summary['peak_bytes'] / 2**20:.2f} MiB)")
+        path = stage_plan_path(args.memo_plan, stage, stages)
+        summary = _refuse_together(lambda: _saved_plan(path, layers), ValueError,
+                                   "--memo-plan: another pipeline stage's plan is not its own")
+        print_rank_0(f"MEMO memory plan: reused {path} (peak {summary['peak_bytes'] / 2**20:.2f} MiB)")
         if planned is not None:
             planned.load(saved_replay(summary))
     else:
         trace = _trace(one_iteration, layers, device, planned)
         plan = bilevel_plan(trace, args.memo_planner, time_limit=30.0)
-        if args.memo_save_plan and dist.get_rank() == 0:
-            plan.save(args.memo_save_plan)
+        if args.memo_save_plan and pgs.index("tp") == pgs.index("dp_cp") == 0:  # one writer per stage
+            plan.save(stage_plan_path(args.memo_save_plan, stage, stages))
         print_rank_0(_plan_line(plan.summary()))
         if planned is not None:
             size = planned.load(plan.replay)

@@ -372,20 +372,23 @@ def _memo_args(args):
              "--memo needs --hidden-dropout 0: recomputing a subset of tokens cannot redraw the full dropout mask")
     _require(not args.sequence_parallel, "--memo does not support --sequence-parallel yet")
     _require(args.memo_host_memory_gb > 0, "--memo-host-memory-gb must be positive")
-    _require(args.memo_plan is None or os.path.isfile(args.memo_plan), f"--memo-plan: cannot read {args.memo_plan}")
     if args.memo_plan:
-        _saved_plan(args.memo_plan)
+        _saved_plans(args.memo_plan, args.pipeline_model_parallel_size)
     _require(args.num_layers // (args.pipeline_model_parallel_size * args.virtual_pipeline_chunks) >= 1,
              "--memo needs layers to manage")
 
 
-def _saved_plan(path: str) -> None:
-    from megatron.longseq.memo.planner import load_plan_summary
+def _saved_plans(path: str, stages: int) -> None:
+    """Every pipeline stage's saved plan (one file per stage when pipelined) is there and readable."""
+    from megatron.longseq.memo.planner import load_plan_summary, stage_plan_path
 
-    try:
-        load_plan_summary(path)
-    except (ValueError, KeyError, OSError) as err:  # json's decode error is a ValueError
-        raise ArgsError(f"--memo-plan: {err}") from None
+    for stage in range(stages):
+        one = stage_plan_path(path, stage, stages)
+        _require(os.path.isfile(one), f"--memo-plan: cannot read {one}")
+        try:
+            load_plan_summary(one)
+        except (ValueError, KeyError, OSError) as err:  # json's decode error is a ValueError
+            raise ArgsError(f"--memo-plan: {err}") from None
 
 
 def _rerun_args(args):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Tuple
 
@@ -135,6 +136,15 @@ def load_plan_summary(path: str) -> dict:
     if blob.get("format") != PLAN_FORMAT:
         raise ValueError(f"{path} is not a MEMO memory plan of this version ({PLAN_FORMAT}): plan again")
     return blob
+
+
+def stage_plan_path(path: str, stage: int, stages: int) -> str:
+    """Where pipeline stage `stage`'s memory plan lives: `path` itself without pipelining, else
+    one file per stage (plan.json -> plan.stage1.json): the stages hold different layers."""
+    if stages == 1:
+        return path
+    root, ext = os.path.splitext(path)
+    return f"{root}.stage{stage}{ext}"
 
 
 def saved_replay(blob: dict) -> Replay:

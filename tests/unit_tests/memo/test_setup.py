@@ -58,3 +58,50 @@ def test_a_budget_too_small_is_refused_before_any_host_memory_is_taken():
     with pytest.raises(HostMemoryError, match="even at alpha = 0"):
         _setup(low // 2)
     assert HOST["peak"] == before  # nothing was pinned: not the probe, not the pool
+
+
+def _stage_setup(flags):
+    import pretrain_gpt
+    from megatron.training.memo_setup import setup_memo
+    from megatron.training.model import build_model_chunks
+    from megatron.training.training import setup
+
+    args = tiny_args(f"{MODEL} --num-layers 6 --pipeline-model-parallel-size 2 {flags}", world_size=2)
+    pgs = grid_groups(pp=2)
+    state = setup(args, pgs, lambda a, p, d: build_model_chunks(a, p, d))
+    return setup_memo(args, pgs, state, pretrain_gpt.forward_step, torch.device("cpu"))
+
+
+def _check_plans_per_stage(tmp):
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    _stage_setup(f"--memo-save-plan {tmp}/plan.json")
+    dist.barrier()
+    files = {stage: f"{tmp}/plan.stage{stage}.json" for stage in (0, 1)}
+    assert sorted(os.listdir(tmp)) == ["plan.stage0.json", "plan.stage1.json"]
+    marks = {stage: {label.split()[-1] for label, _ in json.load(open(path))["replay"]["marks"]}
+             for stage, path in files.items()}
+    assert marks == {0: {"L1", "L2", "L3"}, 1: {"L4"}}  # stage 1 keeps its last two layers
+    _stage_setup(f"--memo-plan {tmp}/plan.json")  # each stage reuses its own
+    dist.barrier()
+    if dist.get_rank() == 0:  # the two stages' files swapped
+        os.rename(files[0], f"{tmp}/swap")
+        os.rename(files[1], files[0])
+        os.rename(f"{tmp}/swap", files[1])
+    dist.barrier()
+    with pytest.raises(ValueError) as refused:
+        _stage_setup(f"--memo-plan {tmp}/plan.json")
+    mine = f"--memo-plan: {files[dist.get_rank()]} was planned for other layers"
+    assert str(refused.value).startswith(mine) and "another model or pipeline stage; plan again" in str(refused.value)
+
+
+def test_a_pipelined_run_saves_and_reuses_one_plan_per_stage(tmp_path):
+    """--memo-save-plan on two pipeline stages writes each stage's plan (its own layers' windows),
+    --memo-plan gives each stage its own back, and a stage handed another's plan stops, on every
+    rank, in one line before training."""
+    from tests.unit_tests.dist_utils import run_ranks
+
+    run_ranks(_check_plans_per_stage, 2, str(tmp_path))
