@@ -153,6 +153,15 @@ class RotaryEmbedding(torch.nn.Module):
         # Not persistent: derived from the config, never checkpointed.
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        """inv_freq follows the module's device moves but not its casts: Float16Module's .bfloat16()
+        would round the frequencies, and the positions multiplied by them, to 8 significant bits
+        (every position past 256, 512 apart at 100K tokens)."""
+        inv_freq = self.inv_freq
+        super()._apply(fn, recurse)
+        self.inv_freq = inv_freq.to(self.inv_freq.device)  # fp32, on the device the buffer moved to
+        return self
+
     def cos_sin(self, position_ids: torch.Tensor, dtype: torch.dtype, cache: Optional[dict] = None):
         """cos and sin [s, b, 1, rot/2] in `dtype` for position ids [b, s]: computed in fp32, and
         kept in `cache` (the batch's) so the other layers of the step reuse them."""
@@ -160,7 +169,7 @@ class RotaryEmbedding(torch.nn.Module):
         if cache is not None and key in cache:
             return cache[key]
         # angles [b, s, rot/2] -> [s, b, 1, rot/2]
-        angles = (position_ids.to(self.inv_freq.dtype).unsqueeze(-1) * self.inv_freq).transpose(0, 1).unsqueeze(2)
+        angles = (position_ids.float().unsqueeze(-1) * self.inv_freq).transpose(0, 1).unsqueeze(2)  # fp32
         m = self.attention_factor
         value = ((angles.cos() * m).to(dtype), (angles.sin() * m).to(dtype))
         if cache is not None:

@@ -127,3 +127,23 @@ def test_cos_and_sin_are_computed_once_per_step_for_all_layers():
 def test_odd_rotary_dim_is_rejected():
     with pytest.raises(ValueError, match="must be a positive even number"):
         RotaryEmbedding(10, rotary_percent=0.5)
+
+
+@pytest.mark.parametrize("precision", ["--bf16", "--fp16"])
+def test_a_half_precision_model_computes_positions_in_fp32(precision):
+    """Megatron's Float16Module casts the whole model (its buffers too) to bf16 / fp16: the
+    frequencies must stay fp32, or positions past 256 round to 8 significant bits in bf16 (100000
+    to 100003 all become 99840) and overflow past 65504 in fp16. The rotation of positions near
+    100K then equals the fp32 module's (to the output dtype's rounding of O(1) values)."""
+    from tests.unit_tests.dist_utils import grid_groups, init_single_rank_world
+    from tests.unit_tests.model_utils import tiny_args, tiny_gpt
+
+    init_single_rank_world()
+    model = tiny_gpt(tiny_args(f"{precision} --position-embedding-type rope"), grid_groups())
+    ropes = [m for m in model.modules() if isinstance(m, RotaryEmbedding)]
+    assert ropes and all(r.inv_freq.dtype == torch.float32 for r in ropes)
+    positions = torch.arange(100000, 100004).unsqueeze(0)
+    fp32 = RotaryEmbedding(ropes[0].rot_dim, rotary_base=ropes[0].base)
+    dtype = next(model.parameters()).dtype
+    for got, want in zip(ropes[0].cos_sin(positions, dtype), fp32.cos_sin(positions, torch.float32)):
+        torch.testing.assert_close(got.float(), want, atol=2 ** -8, rtol=0)  # one bf16 ulp at 1
