@@ -211,9 +211,9 @@ class _Runner:
     def _mark_ready(self) -> None:
         """When the op's input is in hand: the timeline shows waiting for it as a gap. On GPU a
         receive's wait only orders the compute stream after NCCL's, so while a timeline is being
-        recorded the device is synchronized first (the input has then truly arrived)."""
-        if self.pipe.record_timeline and torch.cuda.is_available():
-            torch.cuda.synchronize()
+        recorded the compute stream is drained first (the input has then truly arrived)."""
+        if self.pipe.record_timeline:
+            _drain_compute()
         self.ready = time.time()
 
     def _loss_to_backprop(self, m: int, s: int):
@@ -277,14 +277,21 @@ class _Runner:
             else:
                 self.backward(op, last_backward[op.chunk] == i)
             if self.pipe.record_timeline:
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
+                _drain_compute()
                 # wall clock: comparable across the ranks of a machine
                 self.timeline.append((str(op), self.ready, time.time()))
             if self._last_use(op):
                 self.finish_microbatch(op.unit[0])
         for box in self.outbox.values():
             box.flush()
+
+
+def _drain_compute() -> None:
+    """Wait for the compute stream only, never the whole device: the receives posted ahead (p2p.Inbox)
+    sit on NCCL's streams until their senders get there, which may need this rank to go on first;
+    a device synchronize would wait for them, and the pipeline would hang."""
+    if torch.cuda.is_available():
+        torch.cuda.current_stream().synchronize()
 
 
 def forward_backward_seq1f1b(

@@ -97,11 +97,15 @@ def test_forward_only_makes_no_gradients():
 @pytest.mark.parametrize("recording", [True, False])
 def test_timeline_ready_waits_for_the_input_on_gpu(monkeypatch, recording):
     """On GPU a receive's wait returns before the data is there (it orders streams): a recorded
-    timeline's `ready` is read after a device synchronize, and only while recording."""
+    timeline's `ready` is read after the compute stream is drained, and only while recording. Never
+    a device synchronize: it would also wait for the receives posted ahead, whose senders may be
+    waiting for this rank (a hang under NCCL)."""
     order = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: order.append("synchronize"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: order.append("device synchronize"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: SimpleNamespace(
+        synchronize=lambda: order.append("compute stream")))
     monkeypatch.setattr(seq1f1b.time, "time", lambda: order.append("clock") or 1.0)
     runner = SimpleNamespace(pipe=SimpleNamespace(record_timeline=recording))
     seq1f1b._Runner._mark_ready(runner)
-    assert order == (["synchronize", "clock"] if recording else ["clock"]) and runner.ready == 1.0
+    assert order == (["compute stream", "clock"] if recording else ["clock"]) and runner.ready == 1.0
