@@ -37,6 +37,11 @@ class RNGTracker:
     def __init__(self, device: torch.device):
         self.device = device
         self.states: Dict[str, torch.Tensor] = {}
+        self.active: Optional[str] = None  # the stream a fork has made the device's generator
+
+    def is_initialized(self) -> bool:
+        """megatron-core's question (Transformer Engine's layers ask it): seeded yet?"""
+        return bool(self.states)
 
     def add(self, name: str, seed: int) -> None:
         if name in self.states:
@@ -48,16 +53,23 @@ class RNGTracker:
 
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG):
-        """Run the block on stream `name`; the default stream is left untouched."""
+        """Run the block on stream `name`; the default stream is left untouched. Inside a fork of
+        the same stream (megatron-core forks it around a whole sequence-parallel block) the block
+        goes on drawing from it: a second switch would replay the draws from the stream's start."""
         if name not in self.states:
             raise RuntimeError(f"RNG stream {name!r} is not seeded; call seed_everything() first")
-        saved = _get_state(self.device)
+        if self.active == name:
+            yield
+            return
+        saved, outer = _get_state(self.device), self.active
         _set_state(self.device, self.states[name])
+        self.active = name
         try:
             yield
         finally:
             self.states[name] = _get_state(self.device)
             _set_state(self.device, saved)
+            self.active = outer
 
     def get_states(self) -> Dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in self.states.items()}
@@ -88,6 +100,18 @@ def seed_everything(seed: int, tp_rank: int, device: torch.device) -> None:
     # then the set Megatron-LM's tracker expects when it loads them (its set_states replaces all).
     _TRACKER.add(DATA_PARALLEL_RNG, seed)
     _TRACKER.add(EXPERT_PARALLEL_RNG, seed + 1024 + tp_rank)  # expert rank 0, expert-tp rank = tp rank
+    _serve_megatron_core(_TRACKER)
+
+
+def _serve_megatron_core(tracker: RNGTracker) -> None:
+    """megatron-core's modules fork *its* tracker (tensor_parallel.get_cuda_rng_tracker()) around
+    sequence-parallel regions -- the whole transformer block, the embedding's dropout -- and raise
+    on an unseeded one. This tracker is made megatron-core's as well (the module-level instance its
+    getter returns), so one set of streams is seeded, checkpointed and replayed by recompute."""
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    mcore_random._CUDA_RNG_STATE_TRACKER = tracker
+    mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
 
 
 def rng_state_dict() -> dict:
@@ -148,24 +172,28 @@ def _in_region(region: CheckpointRegion, phase: str):
 
 
 @contextlib.contextmanager
-def _replaying(tracker_states):
-    """The recompute runs from the named-stream states the forward started with; the states the
-    forward ended with are put back afterwards (torch replays the default streams itself)."""
+def _replaying(tracker_states, active: Optional[str]):
+    """The recompute runs from the named-stream states the forward started with, inside the fork
+    the forward ran in; the states the forward ended with are put back afterwards (torch replays
+    the default streams itself, which a fork had made the named stream)."""
     tracker = get_rng_tracker()
-    after_forward = tracker.get_states()
+    after_forward, outer = tracker.get_states(), tracker.active
     tracker.set_states(tracker_states)
+    tracker.active = active
     try:
         yield
     finally:
         tracker.set_states(after_forward)
+        tracker.active = outer
 
 
 def _contexts():
-    region, at_forward = CheckpointRegion(), get_rng_tracker().get_states()
+    tracker = get_rng_tracker()
+    region, at_forward, active = CheckpointRegion(), tracker.get_states(), tracker.active
 
     @contextlib.contextmanager
     def recompute():
-        with _replaying(at_forward), _in_region(region, "recompute"):
+        with _replaying(at_forward, active), _in_region(region, "recompute"):
             yield
 
     return _in_region(region, "forward"), recompute()
