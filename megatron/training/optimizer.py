@@ -1,9 +1,10 @@
 """AdamW over fp32 main parameters, sharded over data parallel with --use-distributed-optimizer.
 
 The main parameters are slices of one flat fp32 buffer: the model's own parameter buffer when the
-model is fp32, an fp32 copy when it is bf16 (Megatron's mixed precision). The optimizer sees the
-pieces of parameters inside the flat ranges this rank owns (all of them, unless sharded), so the
-unsharded optimizer is the sharded one with one shard: one code path.
+model is fp32, an fp32 copy of the ranges this rank owns when it is bf16 (Megatron's mixed
+precision; sharded, each rank holds 1/dp of it, as megatron-core's distributed optimizer). The
+optimizer sees the pieces of parameters inside the flat ranges this rank owns (all of them, unless
+sharded), so the unsharded optimizer is the sharded one with one shard: one code path.
 
 Norms and zero counts follow Megatron: a parameter replicated over tp ranks is counted on tp rank 0
 only; sums are completed over the shard group (dp, when sharded) and the model-parallel group.
@@ -12,12 +13,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from megatron.training.distributed import GradBuffer
+from megatron.training.distributed import PARAM_ALIGN, GradBuffer, round_up
 from megatron.training.loss_scaler import LossScaler
 
 
@@ -55,6 +56,16 @@ def fused_adamw(device: torch.device) -> Optional[bool]:
     return True if device.type == "cuda" else None
 
 
+def _packed(ranges) -> List[Tuple[int, int, int]]:
+    """(start, end, where it begins) of ranges laid one after another in their order, each from a
+    multiple of PARAM_ALIGN elements (a shard can be any length: lcm(dp, 128) / dp elements)."""
+    out, at = [], 0
+    for lo, hi in ranges:
+        out.append((lo, hi, at))
+        at = round_up(at + hi - lo, PARAM_ALIGN)
+    return out
+
+
 @dataclass
 class Fragment:
     main: torch.Tensor  # fp32 view of the main buffer; .grad is a view of the grad buffer
@@ -74,13 +85,22 @@ class DistributedAdam:
         self.overlap_param_gather = args.overlap_param_gather  # the forward pre-hooks wait (GradBuffer)
         names = {p: n for n, p in named_params}
         self.fp32_model = buffer.param_data.dtype == torch.float32
-        self.main_data = buffer.param_data if self.fp32_model else self._main_copy()
+        self.device = buffer.param_data.device
+        # The fp32 main parameters: the model's own buffer when fp32, else this rank's owned ranges
+        # back to back (ZeRO-1: 4 bytes per parameter / dp, not a full-size copy on every rank).
+        # _owned: (flat start, flat end, where the range begins in main_data) per owned range.
+        if self.fp32_model:
+            self._owned = [(lo, hi, lo) for lo, hi in buffer.owned_ranges()]
+            self.main_data = buffer.param_data
+        else:
+            self._owned = _packed(buffer.owned_ranges())
+            self.main_data = self._main_copy()
         tp_rank = pgs.index("tp")
         self.fragments: List[Fragment] = []
         self.fragments_of: Dict[torch.nn.Parameter, List[Fragment]] = {}  # this rank's pieces of each
         groups = {key: [] for key in GROUP_ORDER}
         for p, start, end in buffer.param_fragments():
-            main = self.main_data[start:end]
+            main = self._main(start, end)
             main.grad = buffer.grad_data[start:end]
             # Counted once: tp replicas only on tp rank 0, the tied embedding only on the first stage.
             counted = (getattr(p, "tensor_model_parallel", False) or tp_rank == 0) and not getattr(p, "shared", False)
@@ -92,7 +112,7 @@ class DistributedAdam:
         present = {group_key(n, p, args) for p, n in names.items() if p.requires_grad}
         self.group_keys = [key for key in GROUP_ORDER if key in present]  # of self.param_groups, in turn
         param_groups = [param_group(groups[key], *key, args) for key in self.group_keys]
-        self.fused = fused_adamw(self.main_data.device)
+        self.fused = fused_adamw(self.device)
         self.optimizer = torch.optim.AdamW(
             param_groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
             eps=args.adam_eps, weight_decay=args.weight_decay, fused=self.fused,
@@ -106,10 +126,18 @@ class DistributedAdam:
         return self.optimizer.param_groups  # what the LR scheduler drives
 
     def _main_copy(self) -> torch.Tensor:
-        main = torch.zeros(self.buffer.param_data.numel(), dtype=torch.float32, device=self.buffer.param_data.device)
-        for lo, hi in self.buffer.owned_ranges():
-            main[lo:hi] = self.buffer.param_data[lo:hi].float()
+        end = max((at + hi - lo for lo, hi, at in self._owned), default=0)
+        main = torch.zeros(end, dtype=torch.float32, device=self.device)
+        for lo, hi, at in self._owned:
+            main[at : at + hi - lo] = self.buffer.param_data[lo:hi]  # -> fp32
         return main
+
+    def _main(self, lo: int, hi: int) -> torch.Tensor:
+        """The main parameters of flat range [lo, hi), which lies inside one owned range."""
+        for start, end, at in self._owned:
+            if start <= lo and hi <= end:
+                return self.main_data[at + lo - start : at + hi - start]
+        raise ValueError(f"flat range [{lo}, {hi}) is not inside one range this rank owns")
 
     # ---- global reductions -------------------------------------------------------------------
     def _global_sum(self, value: torch.Tensor) -> torch.Tensor:
@@ -123,7 +151,7 @@ class DistributedAdam:
         # Sums of squares per fragment, in this order: torch's multi-tensor norm would save kernels,
         # but it rounds differently, and the golden curves' zero-gradient counts (exact zeros,
         # chaotic under any rounding change) moved past their tolerance in a pipeline case.
-        device = self.main_data.device
+        device = self.device
         sq = torch.zeros((), dtype=torch.float32, device=device)
         for t in tensors:
             sq += t.float().square().sum()
@@ -136,7 +164,7 @@ class DistributedAdam:
         return self._norm(f.main for f in self.fragments if f.counted)
 
     def count_zeros(self) -> int:
-        zeros = torch.zeros((), dtype=torch.float32, device=self.main_data.device)
+        zeros = torch.zeros((), dtype=torch.float32, device=self.device)
         for f in self.fragments:
             if f.counted:
                 zeros += (f.main.grad == 0).sum()
@@ -152,7 +180,7 @@ class DistributedAdam:
 
     def _unscale_found_inf(self) -> bool:
         """Divide the main gradients by the loss scale; True if any rank holds a non-finite one."""
-        device = self.main_data.device
+        device = self.device
         found = torch.zeros(1, dtype=torch.float32, device=device)  # set to 1 where one is not finite
         grads = [f.main.grad for f in self.fragments]
         if grads:  # torch's multi-tensor unscale-and-check (GradScaler's): one pass over them all
@@ -183,7 +211,7 @@ class DistributedAdam:
         self.steps += 1
         if not self.fp32_model:
             for lo, hi in self.buffer.owned_ranges():
-                self.buffer.param_data[lo:hi].copy_(self.main_data[lo:hi])
+                self.buffer.param_data[lo:hi].copy_(self._main(lo, hi))
         self.buffer.all_gather_params(async_op=self.overlap_param_gather)
         return True, grad_norm, num_zeros
 
@@ -191,7 +219,7 @@ class DistributedAdam:
         """After loading model weights: the fp32 main copy starts from them."""
         if not self.fp32_model:
             for lo, hi in self.buffer.owned_ranges():
-                self.main_data[lo:hi].copy_(self.buffer.param_data[lo:hi])
+                self._main(lo, hi).copy_(self.buffer.param_data[lo:hi])
 
     def zero_grad(self) -> None:
         self.buffer.zero_grad()
@@ -201,7 +229,7 @@ class DistributedAdam:
         """Main params and Adam moments of every parameter of this model part, whole on every
         data-parallel rank, in host memory, laid out like the flat buffers: the form a checkpoint
         cuts by model parameter, so that it loads under any tp/pp/dp."""
-        flats = {name: torch.zeros(self.main_data.numel(), dtype=torch.float32) for name in MODEL_SPACE}
+        flats = {name: torch.zeros(self.buffer.param_data.numel(), dtype=torch.float32) for name in MODEL_SPACE}
         for bucket, name, piece in self._gathered_buckets():
             flats[name][bucket.start : bucket.end] = piece
         return flats
@@ -221,7 +249,7 @@ class DistributedAdam:
         """(bucket, name, fp32 host tensor over the bucket) for every bucket and MODEL_SPACE name,
         whole on every data-parallel rank. One bucket at a time: the device holds one bucket's
         copy, not three fp32 copies of the model part."""
-        device = self.main_data.device
+        device = self.device
         for bucket in self.buffer.buckets:
             inside = [f for f in self.fragments if bucket.start <= f.start < bucket.end]
             for name in MODEL_SPACE:

@@ -190,7 +190,7 @@ def train_step(forward_step_func, data_iterator, state: TrainState, args, pgs, t
     _settle(state.memo)
     if updated:  # an fp16 step skipped on overflow leaves the schedule where it was (Megatron)
         state.scheduler.step(increment=args.global_batch_size)
-    return reduce_reports(reports, pgs, state.optimizer.main_data.device), grad_norm, num_zeros, not updated
+    return reduce_reports(reports, pgs, state.optimizer.device), grad_norm, num_zeros, not updated
 
 
 def _forward_backward(forward_step_func, data_iterator, state: TrainState, args, timers):
@@ -277,7 +277,7 @@ def evaluate(forward_step_func, data_iterator, state: TrainState, args, pgs, num
             ))
     _train_mode(state.model, True)
     LEDGER.enabled = True
-    return reduce_reports(totals, pgs, state.optimizer.main_data.device)
+    return reduce_reports(totals, pgs, state.optimizer.device)
 
 
 def evaluate_and_print(name, forward_step_func, data_iterator, state, args, pgs, tb, count_samples):

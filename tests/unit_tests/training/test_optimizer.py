@@ -306,18 +306,23 @@ def test_the_unsharded_buffer_has_no_padding():
     assert spans == [(0, 407, [0, 1, 2])] and starts == [0, 100, 107]
 
 
-def _check_sharded_fragments_start_aligned():
+def _check_sharded_main_params(shards):
     pgs = grid_groups()
     model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3)).to(torch.bfloat16)
-    buffer = GradBuffer(list(model.parameters()), pgs.dp_cp, shard=True, overlap=False)
+    # a bucket per parameter or two: with 4 shards a shard of one is 32 elements, not 64
+    buffer = GradBuffer(list(model.parameters()), pgs.dp_cp, shard=True, overlap=False, bucket_elements=16)
     opt = DistributedAdam(model.named_parameters(), buffer, pgs, OPT_ARGS)
     assert all(offset % 64 == 0 for offset in buffer.offsets.values())
-    assert opt.fragments and all(f.main.data_ptr() % 16 == 0 and f.main.grad.data_ptr() % 16 == 0
-                                 for f in opt.fragments)
+    assert all(f.main.data_ptr() % 16 == 0 and f.main.grad.data_ptr() % 16 == 0 for f in opt.fragments)
+    assert opt.fragments or dist.get_rank() > 0  # with 4 shards rank 1 owns only padding
+    owned = sum(hi - lo for lo, hi in buffer.owned_ranges())
+    assert owned * shards == buffer.param_data.numel() and owned <= opt.main_data.numel() < owned + 64 * len(
+        buffer.buckets)  # this rank's 1/dp of the fp32 copy (each shard from an aligned start)
 
 
-def test_sharded_fragments_start_aligned():
-    """The buffer the trainer builds: on both of two ranks, every fp32 main fragment and its
-    gradient start 16-byte aligned (what vectorized multi-tensor kernels need), with parameters
-    of 35, 5, 15 and 3 elements."""
-    run_ranks(_check_sharded_fragments_start_aligned, 2)
+@pytest.mark.parametrize("shards", [2, 4])
+def test_sharded_main_params_are_this_ranks_share_and_start_aligned(shards):
+    """The buffer and optimizer the trainer builds (bf16 model, parameters of 35, 5, 15 and 3
+    elements): every rank holds only its own 1/dp of the fp32 main parameters, and every fp32 main
+    fragment and its gradient start 16-byte aligned (what vectorized multi-tensor kernels need)."""
+    run_ranks(_check_sharded_main_params, shards, shards)
