@@ -13,7 +13,8 @@ from megatron.longseq.collectives import all_reduce_values
 from megatron.longseq.memo import allocator
 from megatron.longseq.memo.alpha import HostMemoryError, block_bytes, check_fixed, solve_alpha
 from megatron.longseq.memo.planner import bilevel_plan, load_plan_summary, saved_replay, stage_plan_path
-from megatron.longseq.memo.profiler import bandwidth, mark_layer_windows, profile_sizes, trace_iteration
+from megatron.longseq.memo.profiler import (
+    bandwidth, collector_off, mark_layer_windows, profile_sizes, trace_iteration)
 from megatron.longseq.memo.runtime import Memo
 from megatron.longseq.pipeline.seq1f1b import forward_backward_seq1f1b
 from megatron.training.data import random_batches
@@ -126,12 +127,13 @@ def _trace(one_iteration, layers, device, planned):
     profiler (CPU tracer; on GPU torch's history, without windows)."""
     if planned is None:
         return trace_iteration(one_iteration, layers, device)
-    planned.record(True)
-    try:
-        one_iteration()
-        torch.cuda.synchronize(device)
-    finally:
-        planned.record(False)
+    with collector_off():  # as the profiler's trace: no frees at moments a later replay will not repeat
+        planned.record(True)
+        try:
+            one_iteration()
+            torch.cuda.synchronize(device)
+        finally:
+            planned.record(False)
     return planned.recorded_trace()
 
 

@@ -15,8 +15,10 @@ What the runtime does with it on a GPU (`--memo-allocator planned`):
      in step.
 Streams: torch's pluggable allocator drops record_stream, so arena.c keeps streams itself (a freed
 block is reused by its own stream only, and waits for the streams `record_stream` named here);
-NCCL keeps the tensors of a collective alive until its wait() (TORCH_NCCL_AVOID_RECORD_STREAMS=1,
-set by `install`).
+NCCL keeps the tensors of a collective alive until its wait(): the default of recent torch (2.11's
+ProcessGroupNCCL warns that TORCH_NCCL_AVOID_RECORD_STREAMS is deprecated); `install` sets that
+variable before torch 2.8 (a bound on the safe side: the warning is all a version in between
+costs).
 """
 from __future__ import annotations
 
@@ -222,12 +224,18 @@ class PlannedAllocator:
         return trace
 
 
+def torch_records_nccl_streams(version: str = torch.__version__) -> bool:
+    """Whether torch's NCCL process group may still call record_stream by default (taken as before
+    2.8); later ones keep a collective's tensors until it completes, and warn of the variable."""
+    return torch.torch_version.TorchVersion(version) < (2, 8)
+
+
 def install() -> "PlannedAllocator":
     """Install the planned allocator as this process's CUDA allocator (once)."""
     global INSTALLED
     if INSTALLED is None:
-        # NCCL's record_stream would be dropped: have it hold its tensors until wait() instead
-        os.environ["TORCH_NCCL_AVOID_RECORD_STREAMS"] = "1"
+        if torch_records_nccl_streams():  # dropped here: have NCCL hold its tensors until wait() instead
+            os.environ["TORCH_NCCL_AVOID_RECORD_STREAMS"] = "1"
         allocator = PlannedAllocator("cuda")
         allocator.install()
         INSTALLED = allocator

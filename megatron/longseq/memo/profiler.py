@@ -11,6 +11,7 @@ carried through the history as allocations on a marker stream).
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 from typing import Callable, List, Optional, Tuple
@@ -120,30 +121,43 @@ class CudaMarks:
             torch.empty(1, dtype=torch.uint8, device=self.device)  # allocated and freed: one entry
 
 
-def trace_iteration(run_microbatch: Callable[[], None], layers, device) -> Trace:
-    trace = Trace()
-    marks = CudaMarks(device) if device.type == "cuda" else trace
-    handles = mark_layer_windows(layers, marks)
-    # The trace is the iteration's own: garbage left by earlier work is collected now, and the
-    # collector stays off while tracing, so that no foreign frees (or frees delayed to a later
-    # collection) land in it at moments that depend on what ran before.
+@contextlib.contextmanager
+def collector_off():
+    """A traced iteration is the iteration's own: garbage left by earlier work is collected first,
+    and the collector stays off while tracing, so that no foreign frees (or frees delayed to a
+    later collection) land in it at moments that depend on what ran before."""
     gc.collect()
     collecting = gc.isenabled()
     gc.disable()
     try:
-        if device.type == "cuda":
-            torch.cuda.memory._record_memory_history(max_entries=1_000_000, clear_history=True)
-            run_microbatch()
-            torch.cuda.synchronize(device)
-            trace = from_cuda_snapshot(torch.cuda.memory._snapshot(), device.index or 0,
-                                       marks.stream.cuda_stream, marks.labels)
-            torch.cuda.memory._record_memory_history(enabled=None)
-        else:
-            with AllocationTracer(trace):
-                run_microbatch()
+        yield
     finally:
         if collecting:
             gc.enable()
+
+
+def trace_iteration(run_microbatch: Callable[[], None], layers, device) -> Trace:
+    trace = Trace()
+    marks = CudaMarks(device) if device.type == "cuda" else trace
+    handles = mark_layer_windows(layers, marks)
+    try:
+        with collector_off():
+            trace = _traced(run_microbatch, device, marks, trace)
+    finally:
         for h in handles:
             h.remove()
+    return trace
+
+
+def _traced(run_microbatch, device, marks, trace: Trace) -> Trace:
+    if device.type == "cuda":
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000, clear_history=True)
+        run_microbatch()
+        torch.cuda.synchronize(device)
+        trace = from_cuda_snapshot(torch.cuda.memory._snapshot(), device.index or 0,
+                                   marks.stream.cuda_stream, marks.labels)
+        torch.cuda.memory._record_memory_history(enabled=None)
+        return trace
+    with AllocationTracer(trace):
+        run_microbatch()
     return trace

@@ -359,6 +359,8 @@ class LayerState:
         self._attention_grad = out.requires_grad
 
     def pack(self, t: torch.Tensor) -> _Saved:
+        if t.device.type != self.memo.device.type:  # SDPA's philox seed and offset on the host (GPU runs):
+            return _Saved("keep", t)  # scalars its backward reads through a host pointer
         ptr = t.untyped_storage().data_ptr()
         if ptr in self.memo.param_storages:
             return _Saved("keep", t)

@@ -296,3 +296,12 @@ def test_smaller_requests_replay_at_their_planned_places(traced):
     placed = _placed(trace)
     for tid in placed:
         assert replay.addresses[tid] == alloc.base + plan.offsets[tid], tid
+
+
+def test_nccl_is_asked_to_hold_its_tensors_only_where_torch_does_not_by_default():
+    """torch's pluggable allocator drops record_stream; recent torch keeps a collective's tensors
+    until it completes and warns if TORCH_NCCL_AVOID_RECORD_STREAMS is set (2.11 does)."""
+    from megatron.longseq.memo.allocator import torch_records_nccl_streams
+
+    assert torch_records_nccl_streams("2.5.1+cu124") and torch_records_nccl_streams("2.7.1")
+    assert not any(torch_records_nccl_streams(v) for v in ("2.8.0", "2.11.0+cu130", "2.13.0+cpu"))

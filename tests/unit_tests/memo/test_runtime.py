@@ -459,3 +459,34 @@ def test_pinned_host_memory_is_exactly_what_was_asked_and_unpinned_when_freed(mo
     assert calls[1:] == [("unregister", ptr)] and streams.HOST["now"] == before
     streams.host_empty(4096, pin=False)
     assert len(calls) == 2  # unpinned on CPU
+
+
+class _SavesAnotherDevicesScalar(torch.autograd.Function):
+    """What torch's SDPA does on a GPU with dropout: it saves its philox seed and offset as host
+    scalars, which its backward reads through a host pointer (here a meta tensor stands for a tensor
+    off the run's device)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(torch.empty((), dtype=torch.int64, device="meta"))
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (seed,) = ctx.saved_tensors
+        assert seed.device.type == "meta", seed.device  # handed back where it was, not copied
+        return grad
+
+
+def test_tensors_saved_off_the_runs_device_are_kept_where_they_are(monkeypatch):
+    from megatron.longseq.attention.core import LongSeqCoreAttention
+
+    real = LongSeqCoreAttention._sdpa
+    monkeypatch.setattr(LongSeqCoreAttention, "_sdpa",
+                        lambda self, *a: _SavesAnotherDevicesScalar.apply(real(self, *a)))
+    init_single_rank_world()
+    args = tiny_args(CASES["mha-attention-dropout"])
+    reference, _ = iteration(args, None)
+    grads, memo = iteration(args, 0.5)
+    for name, g in reference.items():
+        torch.testing.assert_close(grads[name], g, atol=0, rtol=0, msg=name)

@@ -105,3 +105,20 @@ def test_a_pipelined_run_saves_and_reuses_one_plan_per_stage(tmp_path):
     from tests.unit_tests.dist_utils import run_ranks
 
     run_ranks(_check_plans_per_stage, 2, str(tmp_path))
+
+
+def test_the_planned_allocators_trace_runs_with_the_collector_off(monkeypatch):
+    """As the profiler's trace: a cycle's frees landing wherever the collector happens to run
+    would make lifetimes the replays do not repeat (each a divergence served by the cache)."""
+    import gc
+    from types import SimpleNamespace
+
+    from megatron.training import memo_setup
+
+    seen = []
+    planned = SimpleNamespace(record=lambda on: seen.append(("record", on)), recorded_trace=lambda: "trace")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    assert gc.isenabled()
+    got = memo_setup._trace(lambda: seen.append(("collecting", gc.isenabled())), [], torch.device("cuda"), planned)
+    assert got == "trace" and seen == [("record", True), ("collecting", False), ("record", False)]
+    assert gc.isenabled()
