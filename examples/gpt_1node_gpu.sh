@@ -6,6 +6,9 @@
 # Without DATA it trains on mock data.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# One hardware queue: a tensor-parallel all-gather / reduce-scatter launched before the GEMM it
+# overlaps is scheduled first (megatron-core's advice for tp > 1 and sequence parallel)
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 GPUS=${GPUS:-$(nvidia-smi -L | wc -l)}
 SEQ=${SEQ:-8192}
 if [ -n "${DATA:-}" ]; then
