@@ -26,7 +26,8 @@ def _agree(value: float, op, group) -> float:
     return all_reduce_values([value], op, group)[0]
 
 
-def _refuse_together(step, refusal=HostMemoryError, elsewhere="MEMO: another rank's plan exceeds its host memory budget"):
+def _refuse_together(step, refusal=HostMemoryError,
+                     elsewhere="MEMO: another rank's plan exceeds its host memory budget"):
     """Run `step` (which may raise `refusal`) on every rank; if it raised on any, raise on all: a
     refusal must stop every rank before training, not leave the others waiting."""
     result, error = None, ""

@@ -83,14 +83,33 @@ def _whole(index: Index, samples: int, rows: int) -> bool:
     return index[0].numel() == every.numel() and torch.equal(index[0] * rows + index[1], every)
 
 
-def make_group(members: List[Piece], samples: int, sq: int, sk: int, device) -> Group:
-    """The group's call, moved to the device once (the plan serves every layer)."""
+def _host_plan(members: List[Piece], samples: int, sq: int, sk: int) -> tuple:
+    """A group's call on the host: (its index and cu_seqlens tensors, the rest of its Group)."""
     q, cu_q, max_q = _side(members, "q0", "q1")
     k, cu_k, max_k = _side(members, "k0", "k1")
-    whole_q, whole_k = _whole(q, samples, sq), _whole(k, samples, sk)
-    q, k = tuple(x.to(device) for x in q), tuple(x.to(device) for x in k)
-    seqs = Varlen(cu_q.to(device), cu_k.to(device), max_q, max_k, q[0].numel(), k[0].numel(), members[0].causal)
-    return Group(q, k, seqs, whole_q, whole_k)
+    rest = (max_q, max_k, q[0].numel(), k[0].numel(), members[0].causal, _whole(q, samples, sq), _whole(k, samples, sk))
+    return [*q, *k, cu_q.long(), cu_k.long()], rest
+
+
+def _to_device(tensors: List[Tensor], device) -> List[Tensor]:
+    """int64 host tensors on `device`, in one copy: a plan is made inside the first layer's ring
+    loop, where a copy per tensor from pageable memory would each wait for the compute stream. On
+    CUDA the copy leaves from pinned memory and does not block."""
+    flat = torch.cat(tensors)
+    flat = flat.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else flat.to(device)
+    return list(flat.split([t.numel() for t in tensors]))
+
+
+def make_groups(members: List[List[Piece]], samples: int, sq: int, sk: int, device) -> List[Group]:
+    """The block's calls, moved to the device together (the plan serves every layer)."""
+    hosts = [_host_plan(m, samples, sq, sk) for m in members]
+    moved = _to_device([t for tensors, _ in hosts for t in tensors], torch.device(device))
+    groups = []
+    for i, (_, (max_q, max_k, total_q, total_k, causal, whole_q, whole_k)) in enumerate(hosts):
+        q_sample, q_row, k_sample, k_row, cu_q, cu_k = moved[6 * i : 6 * i + 6]
+        seqs = Varlen(cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k, total_q, total_k, causal)
+        groups.append(Group((q_sample, q_row), (k_sample, k_row), seqs, whole_q, whole_k))
+    return groups
 
 
 def plan(pieces, samples: int, sq: int, sk: int, device) -> List[Group]:
@@ -99,7 +118,7 @@ def plan(pieces, samples: int, sq: int, sk: int, device) -> List[Group]:
     kept = getattr(pieces, "plans", None)
     if kept is not None and key in kept:
         return kept[key]
-    groups = [make_group(m, samples, sq, sk, device) for m in group_pieces(pieces, samples)]
+    groups = make_groups(group_pieces(pieces, samples), samples, sq, sk, device)
     if kept is not None:
         kept[key] = groups
     return groups

@@ -209,6 +209,37 @@ def test_per_batch_plans_are_made_once_for_every_layer():
     assert varlen.plan(list(LATER), B, S, S, "cpu") is not varlen.plan(list(LATER), B, S, S, "cpu")  # kept nowhere
 
 
+class _Transfers(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops that take host tensors to another device."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        moved = isinstance(out, torch.Tensor) and out.device.type != "cpu"
+        self.count += moved and any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args)
+        return out
+
+
+def test_a_blocks_plan_reaches_the_device_in_one_copy():
+    """A plan is made inside the first layer's ring loop: a copy per index or cu_seqlens tensor (six
+    a group) would each wait for the compute stream on a GPU. One copy carries the block's plan (the
+    meta device stands for the GPU), and its tensors are what the kernels are given."""
+    groups = varlen.group_pieces(LATER, B)
+    assert len(groups) > 1
+    with _Transfers() as transfers:
+        plan = varlen.plan(list(LATER), B, S, S, torch.device("meta"))
+    on_host = varlen.plan(list(LATER), B, S, S, "cpu")
+    assert transfers.count == 1 and len(plan) == len(on_host) == len(groups)
+    for got, want in zip(plan, on_host):
+        tensors = [(*g.q, *g.k, g.seqs.cu_q, g.seqs.cu_k) for g in (got, want)]
+        for t, w in zip(*tensors):
+            assert (t.device.type, t.dtype, t.shape, t.is_contiguous()) == ("meta", w.dtype, w.shape, True)
+        assert got.seqs.cu_q.dtype == torch.int32 and (got.whole_q, got.whole_k) == (want.whole_q, want.whole_k)
+
+
 def test_the_packed_attention_benchmark_runs_and_counts_calls(capsys):
     """tools/benchmark_attention.py --documents, tiny on CPU: both tables, and the packed row's
     kernel calls (the CPU kernel has no varlen entry: one dense call per document piece)."""
