@@ -359,8 +359,10 @@ class LayerState:
         self._attention_grad = out.requires_grad
 
     def pack(self, t: torch.Tensor) -> _Saved:
-        if t.device.type != self.memo.device.type:  # SDPA's philox seed and offset on the host (GPU runs):
-            return _Saved("keep", t)  # scalars its backward reads through a host pointer
+        # Off the run's device (on a GPU, SDPA's philox seed and offset: host scalars its backward
+        # reads through a host pointer): kept where it is.
+        if t.device.type != self.memo.device.type:
+            return _Saved("keep", t)
         ptr = t.untyped_storage().data_ptr()
         if ptr in self.memo.param_storages:
             return _Saved("keep", t)
