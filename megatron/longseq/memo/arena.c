@@ -214,8 +214,16 @@ static void *event_record(void *stream) {
     return ev;
 }
 
+#define CUDA_ERROR_NOT_READY 600
+static void backend_sync(void);
+
 static int event_done(void *ev) {
-    if (backend_cuda) return cu_event_query(ev) == 0;
+    if (backend_cuda) {
+        int rc = cu_event_query(ev);
+        if (rc == CUDA_ERROR_NOT_READY) return 0;
+        if (rc != 0) backend_sync(); /* the query itself failed: wait for everything instead */
+        return 1;
+    }
     FakeEvent *fe = ev;
     return fe->ticket <= fe->on->done;
 }

@@ -242,7 +242,7 @@ int cuMemFree_v2(uint64_t p) { if (!current) return 201; free((void *)(uintptr_t
 int cuCtxSynchronize(void) { return current ? 0 : 201; }
 int cuEventCreate(void **e, unsigned f) { *e = malloc(1); return current ? 0 : 201; }
 int cuEventRecord(void *e, void *s) { return 0; }
-int cuEventQuery(void *e) { return 0; }
+int cuEventQuery(void *e) { const char *rc = getenv("FAKE_EVENT_QUERY"); return rc ? atoi(rc) : 0; }
 int cuEventDestroy_v2(void *e) { free(e); return 0; }
 """
 
@@ -279,6 +279,40 @@ def test_the_cuda_backend_binds_a_context_and_ends_the_process_when_out_of_memor
     assert proc.stdout.split() == ["allocated"], proc.stdout + proc.stderr
     assert proc.returncode == -signal.SIGABRT
     assert "MEMO planned allocator: out of device memory for 2097152 bytes" in proc.stderr
+
+
+EVENT_CHECK = """
+from megatron.longseq.memo.allocator import PlannedAllocator
+alloc = PlannedAllocator("cuda")
+S, T = 0x5, 0x7
+a = alloc.malloc(4096, S)
+alloc.record_stream(a, T)
+alloc.free(a, 4096, S)
+b = alloc.malloc(4096, S)
+print(b == a, alloc.stats()["device_syncs"], alloc.stats()["pending_bytes"])
+"""
+
+
+@pytest.mark.parametrize("query, reused, syncs", [("0", True, 0), ("600", False, 0), ("201", True, 1)],
+                         ids=["done", "not-ready", "failed"])
+def test_a_failed_event_query_waits_for_the_device_instead_of_holding_the_block(tmp_path, query, reused, syncs):
+    """The CUDA backend's event check, against the stand-in driver: CUDA_SUCCESS frees a block another
+    stream used, CUDA_ERROR_NOT_READY keeps it pending, and any other answer (a failed query) waits
+    for the whole device and frees it, instead of holding it pending for ever."""
+    import os
+    import subprocess
+    import sys
+
+    source = tmp_path / "fake_cuda.c"
+    source.write_text(FAKE_DRIVER)
+    driver = tmp_path / "libfakecuda.so"
+    subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", str(driver), str(source)], check=True)
+    proc = subprocess.run([sys.executable, "-c", EVENT_CHECK], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "MEMO_LIBCUDA": str(driver), "FAKE_EVENT_QUERY": query})
+    assert proc.returncode == 0, proc.stderr
+    got_reused, got_syncs, pending = proc.stdout.split()
+    assert (got_reused == "True", int(got_syncs)) == (reused, syncs)
+    assert (int(pending) == 0) == reused
 
 
 def test_smaller_requests_replay_at_their_planned_places(traced):
