@@ -224,7 +224,8 @@ class _Runner:
         if self.config.calculate_per_token_loss:
             return loss
         tokens = sum(p[1] for p in self.losses[m].values())  # the whole sequence's
-        return loss / tokens / self.m
+        # a micro-batch with every token masked (all EOD under --eod-mask-loss) adds nothing, not 0/0
+        return loss / torch.as_tensor(tokens).clamp(min=1) / self.m
 
     def backward(self, op: Op, last_of_chunk: bool) -> None:
         c, (m, s) = op.chunk, op.unit

@@ -88,6 +88,19 @@ def test_gradients_equal_the_full_batch_loss(per_token, segments):
     assert model.finalized == [total_tokens if per_token else None]
 
 
+def test_a_micro_batch_with_every_token_masked_adds_nothing():
+    """All EOD under --eod-mask-loss: the sequence's token count is 0, and the loss it backprops is
+    0 with zero gradients (as megatron-core's clamp), not 0/0 = NaN in every gradient."""
+    w = torch.ones(3, requires_grad=True)
+    per_token = w.sum() * torch.ones(2, 8)
+    mask = torch.zeros(2, 8)
+    segments = {s: ((per_token[s] * mask[s]).sum(), mask[s].sum().long(), {}) for s in range(2)}
+    runner = SimpleNamespace(losses={0: segments}, config=SimpleNamespace(calculate_per_token_loss=False), m=2)
+    loss = sum(seq1f1b._Runner._loss_to_backprop(runner, 0, s) for s in range(2))
+    loss.backward()
+    assert loss.item() == 0.0 and torch.equal(w.grad, torch.zeros(3))
+
+
 def test_forward_only_makes_no_gradients():
     model, reports, _, _ = run(False, forward_only=True)
     assert all(p.grad is None for p in model.parameters())
