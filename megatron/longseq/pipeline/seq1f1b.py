@@ -218,8 +218,12 @@ class _Runner:
 
     def _loss_to_backprop(self, m: int, s: int):
         parts = self.losses[m][s]
-        if len(parts) == 2:  # (loss, report): a mean already
-            return parts[0] / (self.m * self.k)
+        if len(parts) == 2:
+            # (loss, report): the segment's mean already, weighted by the segment's share of the
+            # sequence (segments differ under uniform_comp). Exact for a mean over every token; a
+            # masked loss is exact as (sum, count, report).
+            tokens = self.tokens[m]
+            return parts[0] * (tokens[s] / sum(tokens)) / self.m
         loss, _, _ = parts
         if self.config.calculate_per_token_loss:
             return loss

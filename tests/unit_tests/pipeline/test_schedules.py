@@ -88,6 +88,24 @@ def test_gradients_equal_the_full_batch_loss(per_token, segments):
     assert model.finalized == [total_tokens if per_token else None]
 
 
+def test_a_loss_returned_as_a_mean_weights_unequal_segments_by_their_tokens():
+    """A (loss, report) loss function (the segment's mean over its tokens) under segments of 4 and
+    2 tokens: the gradient is the whole sequence's mean, not the mean of the two segment means."""
+    init_single_rank_world()
+    xs, _ = data()
+
+    def mean_step(data_iterator, model):
+        out = model(next(data_iterator)["x"])
+        return out, lambda o: (o.mean(), {"lm loss": torch.stack([o.mean().detach(), torch.tensor(1.0)])})
+    model, ref = Model(False), Model(False)
+    forward_backward_seq1f1b(forward_step_func=mean_step, data_iterator=iter({"x": x} for x in xs), model=[model],
+                             num_microbatches=3, micro_batch_size=2,
+                             p2p_communicator=Pipeline(1, 0, 1, [4, 2], 4, {}, [0]))
+    (sum(ref(x).mean() for x in xs) / 3).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-6)
+
+
 def test_a_micro_batch_with_every_token_masked_adds_nothing():
     """All EOD under --eod-mask-loss: the sequence's token count is 0, and the loss it backprops is
     0 with zero gradients (as megatron-core's clamp), not 0/0 = NaN in every gradient."""
