@@ -144,6 +144,9 @@ def _parallel_args(args, world_size):
              "allocate their buffers on the GPU")
     _require(args.transformer_impl == "local" or cuda,
              "--transformer-impl transformer_engine needs CUDA and Transformer Engine; use local on CPU")
+    _require(args.transformer_impl == "local" or importlib.util.find_spec("transformer_engine"),
+             "--transformer-impl transformer_engine needs Transformer Engine installed "
+             "(pip install 'transformer-engine[pytorch]'), or use --transformer-impl local")
     _require(args.cross_entropy_fusion_impl == "native" or importlib.util.find_spec("transformer_engine"),
              "--cross-entropy-fusion-impl te needs Transformer Engine (use native)")
 

@@ -70,6 +70,12 @@ def test_cuda_flash_kernel_bf16():
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_cudnn_kernel_bf16():
+    """What --attention-backend auto takes on Hopper (bf16, cuDNN >= 9)."""
+    check_kernel(TorchCudnnKernel(), torch.bfloat16, "cuda", atol=3e-2)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_cuda_efficient_kernel_fp32():
     # TF32 is off for these matmuls by default in torch; fp32 accumulation as on CPU.
     check_kernel(TorchCudaEfficientKernel(), torch.float32, "cuda", atol=1e-4)

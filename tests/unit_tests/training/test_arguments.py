@@ -255,3 +255,16 @@ def test_bad_input_is_printed_by_rank_0_while_the_others_wait(monkeypatch, capsy
     assert info.value.code == 2
     assert (capsys.readouterr().err == "pretrain_gpt.py: error: --lr is required\n") == printed
     assert slept == ([bad_input.REPORT_GRACE_S] if waited else [])
+
+
+def test_transformer_engine_layers_need_transformer_engine(monkeypatch):
+    """On a GPU without Transformer Engine, megatron-core's TE layer spec fails with a NameError
+    after the process groups are up: refused with the rest of the flags instead."""
+    import importlib.util
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformer_engine"
+                        else real(name, *a))
+    message = error_of("--transformer-impl transformer_engine")
+    assert "--transformer-impl transformer_engine needs Transformer Engine installed" in message
