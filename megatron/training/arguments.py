@@ -265,10 +265,8 @@ def _training(p):
                         "activations' tokens to host memory and recompute the rest token-wise")
     g.add_argument("--memo-swap-fraction", default="auto", help="alpha: 'auto' (MEMO's LP) or a number in [0, 1]")
     g.add_argument("--memo-planner", choices=["gurobi", "cpsat", "greedy"], default="gurobi")
-    g.add_argument("--memo-plan", type=str, default=None,
-                   help="reuse a saved memory plan (JSON; pipelined: PATH's per-stage files, plan.stageN.json)")
-    g.add_argument("--memo-save-plan", type=str, default=None,
-                   help="write the memory plan (JSON) here; pipelined, one file per stage (plan.stageN.json)")
+    g.add_argument("--memo-plan", default=None, help="reuse a saved memory plan (JSON; pipelined: plan.stageN.json)")
+    g.add_argument("--memo-save-plan", default=None, help="write the memory plan (JSON; pipelined: plan.stageN.json)")
     g.add_argument("--memo-allocator", choices=["caching", "planned"], default="caching",
                    help="planned: replace torch's CUDA caching allocator with one that places each layer's "
                         "transient tensors at the memory plan's offsets (CUDA only)")
