@@ -127,7 +127,7 @@ def test_a_save_holds_the_optimizer_state_in_host_memory_once(tmp_path):
 
     args, _, state = saver_state(tmp_path)
     train_one_step(state, args)
-    n = state.optimizer.main_data.numel()
+    n = state.optimizer.buffer.param_data.numel()
     with CreatedTensors() as created:
         state.saver.save(state)
     fp32 = sum(numel for _, numel, dtype in created.created if dtype == torch.float32)
