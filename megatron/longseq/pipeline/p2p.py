@@ -2,10 +2,11 @@
 
 Every (purpose, sender, receiver) link has its own two-rank group, so a group carries one kind of
 message in one direction. Sends are asynchronous and never block; a receiver takes a link's
-messages in exactly the order the sender's schedule sends them (computed from that schedule), with
-the next one's receive posted ahead, keeping early arrivals until their operation runs. The shapes
-come from the segment lengths, known on both sides. This is deadlock-free whenever the schedules'
-dependencies are (simulate.py), on gloo and NCCL alike (connect_links sets up NCCL's pairs first).
+messages in exactly the order the sender's schedule sends them (computed from that schedule), the
+next one's receive posted ahead as soon as that is safe (Inbox), keeping early arrivals until their
+operation runs. The shapes come from the segment lengths, known on both sides. This is deadlock-
+free whenever the schedules' dependencies are (simulate.py), on gloo and NCCL alike (connect_links
+sets up NCCL's pairs first), and a device-wide synchronize on one rank cannot hang it (Inbox).
 """
 from __future__ import annotations
 
@@ -20,48 +21,71 @@ from megatron.longseq.pipeline.plan import Op
 Key = Tuple[int, int, int]  # (receiver's chunk, micro-batch, segment)
 
 
-def sent_messages(sender_ops: List[Op], p: int, sender: int, v: int, purpose: str) -> List[Key]:
-    """The messages a rank sends on its `purpose` link, in order: a forward that is not the
-    last virtual stage sends activations on; a backward that is not the first sends gradients
-    back. Keyed by the receiving chunk and the unit."""
+def sent_messages(sender_ops: List[Op], p: int, sender: int, v: int, purpose: str) -> List[Tuple[Key, int]]:
+    """The messages a rank sends on its `purpose` link, in order, each with the index of the
+    operation that sends it: a forward that is not the last virtual stage sends activations on; a
+    backward that is not the first sends gradients back. Keyed by the receiving chunk and the unit."""
     last = p * v - 1
     out = []
-    for op in sender_ops:
+    for j, op in enumerate(sender_ops):
         vs = op.chunk * p + sender
         if purpose == "act" and op.kind == "F" and vs < last:
-            out.append(((vs + 1) // p, *op.unit))
+            out.append((((vs + 1) // p, *op.unit), j))
         elif purpose == "grad" and op.kind == "B" and vs > 0:
-            out.append(((vs - 1) // p, *op.unit))
+            out.append((((vs - 1) // p, *op.unit), j))
     return out
 
 
-class Inbox:
-    """The receiving end of one link. The receive of the next message the sender's schedule will
-    send is always posted ahead (irecv), so a message lands while this rank computes; get() waits
-    for the posted one(s) until the wanted key has arrived, keeping early arrivals."""
+def receive_points(sender_ops: List[Op], needs: List[int], p: int, sender: int, v: int, purpose: str
+                   ) -> List[Tuple[Key, int]]:
+    """The messages of one link, in order, each with the first of the receiver's operations from
+    which its receive may be posted: the one after every operation of the receiver that its send
+    depends on. needs[j]: how many of the receiver's operations the sender's j-th one needs
+    (simulate.prefix_needs)."""
+    return [(key, needs[j]) for key, j in sent_messages(sender_ops, p, sender, v, purpose)]
 
-    def __init__(self, group, src: int, expected: Iterator[Key], shape_of, dtype, device):
+
+class Inbox:
+    """The receiving end of one link. The receive of the next message is posted ahead, so that it
+    lands while this rank computes, but never before the operation its receive point names (see
+    receive_points); get() waits for the posted one(s) until the wanted key has arrived, keeping
+    early arrivals.
+
+    Why not earlier: on NCCL a posted receive sits on the link's stream until its send comes. Were
+    that send to need a later operation of this rank, a device-wide synchronize in between would
+    wait for the receive, the receive for this rank, and the pipeline would hang. Such a synchronize
+    needs no one's consent: the caching allocator frees its cache (cudaFree) when an allocation
+    fails, and so do empty_cache() and torch.cuda.synchronize()."""
+
+    def __init__(self, group, src: int, expected: Iterator[Tuple[Key, int]], shape_of, dtype, device):
         self.group, self.src, self.expected = group, src, expected
         self.shape_of, self.dtype, self.device = shape_of, dtype, device
         self.early: Dict[Key, torch.Tensor] = {}
         self.posted: Optional[Tuple[Key, torch.Tensor, object]] = None
+        self.upcoming: Optional[Tuple[Key, int]] = next(self.expected, None)
+        self.now = 0  # the operation this rank runs next
+        self._post()
+
+    def advance(self, op_index: int) -> None:
+        """This rank is about to run its op_index-th operation."""
+        self.now = op_index
         self._post()
 
     def _post(self) -> None:
-        key = next(self.expected, None)
-        if key is None:  # the sender sends nothing more this iteration
-            self.posted = None
+        if self.posted is not None or self.upcoming is None or self.upcoming[1] > self.now:
             return
+        key = self.upcoming[0]
         buf = torch.empty(self.shape_of(key), dtype=self.dtype, device=self.device)
         self.posted = (key, buf, dist.irecv(buf, src=self.src, group=self.group))
+        self.upcoming = next(self.expected, None)
 
     def get(self, key: Key) -> torch.Tensor:
         while key not in self.early:
             if self.posted is None:
-                raise RuntimeError(f"pipeline: {key} is not among the messages stage {self.src} sends")
+                raise RuntimeError(f"pipeline: {key} is not among the messages stage {self.src} sends by now")
             arrived, buf, work = self.posted
             work.wait()
-            self.early[arrived] = buf
+            self.early[arrived], self.posted = buf, None
             self._post()
         return self.early.pop(key)
 

@@ -12,6 +12,7 @@ has been forwarded, so it is divided by the token count of the whole sequence.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -22,8 +23,9 @@ import torch.distributed as dist
 from megatron.core.utils import get_model_config
 from megatron.longseq.attention.placement import DOCUMENT_STARTS, SEGMENT_LENGTHS
 from megatron.longseq.attention.segments import SegmentSlot, SegmentState
-from megatron.longseq.pipeline.p2p import Inbox, Outbox, sent_messages
+from megatron.longseq.pipeline.p2p import Inbox, Outbox, receive_points
 from megatron.longseq.pipeline.plan import Op, rank_schedule
+from megatron.longseq.pipeline.simulate import prefix_needs
 
 
 @dataclass
@@ -135,20 +137,19 @@ class _Runner:
         if self.p == 1:
             return inbox, outbox
         me, prv, nxt = pipe.members[pipe.rank], pipe.members[pipe.rank - 1], pipe.members[(pipe.rank + 1) % self.p]
+        ops = self._ops()
+        needs = _needs_of(self.p, self.m, self.k, self.v, pipe.group, self.forward_only, pipe.rank)
         for purpose, src, dst in (("act", prv, me), ("grad", nxt, me)):
             sender = pipe.members.index(src)
-            ops = self._ops_of(sender)
-            keys = iter(sent_messages(ops, self.p, sender, self.v, purpose))
-            inbox[purpose] = Inbox(pipe.links[(purpose, src, dst)], src, keys, self._shape, dtype, device)
+            points = receive_points(ops[sender], needs[sender], self.p, sender, self.v, purpose)
+            inbox[purpose] = Inbox(pipe.links[(purpose, src, dst)], src, iter(points), self._shape, dtype, device)
         outbox["act"] = Outbox(pipe.links[("act", me, nxt)], nxt, "act")
         outbox["grad"] = Outbox(pipe.links[("grad", me, prv)], prv, "grad")
         return inbox, outbox
 
-    def _ops_of(self, stage: int) -> List[Op]:
-        if self.forward_only:
-            return [op for op in rank_schedule(self.p, stage, self.m, self.k, self.v, self.pipe.group).ops
-                    if op.kind == "F"]
-        return rank_schedule(self.p, stage, self.m, self.k, self.v, self.pipe.group).ops
+    def _ops(self) -> List[List[Op]]:
+        """Every stage's operations (forwards only for an evaluation)."""
+        return _stage_ops(self.p, self.m, self.k, self.v, self.pipe.group, self.forward_only)
 
     def _shape(self, key):
         """[segment tokens, micro-batch, hidden]: activations and their gradients alike."""
@@ -277,6 +278,8 @@ class _Runner:
     def run(self, ops: List[Op]) -> None:
         last_backward = {op.chunk: i for i, op in enumerate(ops) if op.kind == "B"}
         for i, op in enumerate(ops):
+            for box in self.inbox.values():
+                box.advance(i)
             if op.kind == "F":
                 self.forward(op)
             else:
@@ -291,10 +294,23 @@ class _Runner:
             box.flush()
 
 
+# The schedules and their dependencies are the same every iteration: computed once.
+@functools.lru_cache(maxsize=8)
+def _stage_ops(p: int, m: int, k: int, v: int, group: Optional[int], forward_only: bool) -> List[List[Op]]:
+    ops = [rank_schedule(p, stage, m, k, v, group).ops for stage in range(p)]
+    return [[op for op in row if op.kind == "F"] for row in ops] if forward_only else ops
+
+
+@functools.lru_cache(maxsize=8)
+def _needs_of(p: int, m: int, k: int, v: int, group: Optional[int], forward_only: bool, stage: int):
+    """How many of `stage`'s operations each operation of every stage needs (simulate.prefix_needs)."""
+    return prefix_needs(_stage_ops(p, m, k, v, group, forward_only), v, k, of=stage)
+
+
 def _drain_compute() -> None:
-    """Wait for the compute stream only, never the whole device: the receives posted ahead (p2p.Inbox)
-    sit on NCCL's streams until their senders get there, which may need this rank to go on first;
-    a device synchronize would wait for them, and the pipeline would hang."""
+    """Wait for the compute stream only, never the whole device: a device synchronize would also
+    wait for the receives posted ahead (p2p.Inbox), which land when their senders get there -- the
+    other stages' time, not this operation's."""
     if torch.cuda.is_available():
         torch.cuda.current_stream().synchronize()
 
@@ -314,7 +330,7 @@ def forward_backward_seq1f1b(
     if isinstance(data_iterator, list):
         data_iterator = data_iterator[0]
     runner = _Runner(forward_step_func, data_iterator, chunks, pipe, num_microbatches, micro_batch_size, forward_only)
-    ops = runner._ops_of(pipe.rank)
+    ops = runner._ops()[pipe.rank]
     grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
     with grad_ctx:
         runner.run(ops)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Sequence, Tuple
 
-from megatron.longseq.pipeline.plan import Op, RankSchedule
+from megatron.longseq.pipeline.plan import Op, Phase, RankSchedule
 
 
 Unit = Tuple[int, int]  # (micro-batch, segment)
@@ -97,3 +97,19 @@ def simulate(schedules: Sequence[RankSchedule], v: int, k: int,
             raise Deadlock(f"no rank can proceed; next operations: {blocked}")
     timeline.peak_activation = peak
     return timeline
+
+
+def prefix_needs(ops: Sequence[List[Op]], v: int, k: int, of: int) -> List[List[int]]:
+    """needs[r][j]: how many of rank `of`'s operations (a prefix of its list) must have run before
+    rank r's j-th operation can end -- the transitive closure of the dependencies, every rank
+    running its list in order. Pure; `ops` are every rank's lists (forwards only for an evaluation)."""
+    p = len(ops)
+    index = {(op.kind, op.chunk * p + r, op.unit): (r, j) for r in range(p) for j, op in enumerate(ops[r])}
+    needs = [[0] * len(row) for row in ops]
+    runs = simulate([RankSchedule(r, [Phase("all", list(row))]) for r, row in enumerate(ops)], v, k)
+    for event in runs.events:  # in an order in which every dependency comes first
+        r, j = index[(event.op.kind, event.op.chunk * p + event.rank, event.op.unit)]
+        inputs = [needs[q][i] for q, i in (index[d] for d in dependencies(event.op, r, p, v, k))]
+        in_order = j + 1 if r == of else (needs[r][j - 1] if j else 0)  # a rank's list runs in order
+        needs[r][j] = max([in_order] + inputs)
+    return needs

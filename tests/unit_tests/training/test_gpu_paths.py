@@ -192,8 +192,9 @@ def test_fused_weight_gradients_keep_the_tied_embeddings_lookup_share(monkeypatc
 # ---- pipeline --------------------------------------------------------------------------------------
 
 def _receives_posted_ahead():
-    """Stage 1's inbox posts the receive of the first expected message when it is made, and of
-    the next one as soon as it hands one out; messages arrive in the sender's order."""
+    """Stage 1's inbox posts the receive of the first expected message when it is made, of the
+    next one as soon as it hands one out -- but never before the operation its receive point
+    names; messages arrive in the sender's order."""
     group, me = dist.group.WORLD, dist.get_rank()
     keys = [(0, m, 0) for m in range(3)]
     if me == 0:
@@ -205,10 +206,15 @@ def _receives_posted_ahead():
     posted = []
     irecv = dist.irecv
     dist.irecv = lambda *a, **k: (posted.append(a[0].shape), irecv(*a, **k))[1]
-    inbox = p2p.Inbox(group, 0, iter(keys), lambda key: (2,), torch.float32, torch.device("cpu"))
+    points = zip(keys, [0, 0, 2])  # the third may be received from this rank's operation 2 on
+    inbox = p2p.Inbox(group, 0, iter(points), lambda key: (2,), torch.float32, torch.device("cpu"))
     assert len(posted) == 1  # before anything was asked for
     assert inbox.get(keys[1])[0].item() == 1.0  # an early arrival (m = 0) is kept
-    assert len(posted) == 3 and inbox.posted is not None and inbox.posted[0] == keys[2]
+    assert len(posted) == 2 and inbox.posted is None  # the third waits for its operation
+    inbox.advance(1)
+    assert inbox.posted is None
+    inbox.advance(2)
+    assert len(posted) == 3 and inbox.posted[0] == keys[2]
     assert inbox.get(keys[0])[0].item() == 0.0 and inbox.get(keys[2])[0].item() == 2.0
     assert inbox.posted is None
 
