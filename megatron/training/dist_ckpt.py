@@ -128,9 +128,10 @@ def _state_key(key: str, name: str, state: str) -> str:
 def _optimizer_sharded(chunks, model_sd: dict, states: dict, reads=None) -> dict:
     """Each parameter's main copy and moments as the parameter's own ShardedTensor under Megatron's
     key prefix "optimizer.state.<name>.": same global shape, offsets, tp axis and replicas.
-    states[p][state]: the tensor in p's shape, for each parameter this rank saves or loads. reads(p),
-    at a load: whether this rank is p's one reader among its data-parallel replicas (megatron-core
-    checks that every piece has one main replica); a save keeps the model's replicas."""
+    states[p][state]: the tensor in p's shape, for each parameter this rank saves or loads. reads(p):
+    whether this rank is p's one reader at a load, or its one writer at a save of a sharded state,
+    among its data-parallel replicas (megatron-core checks that every piece has one main replica);
+    None (a save of an unsharded state) keeps the model's replicas."""
     out = {}
     for key, name, p in _parameters(chunks):
         for state, data in states.get(p, {}).items():
@@ -204,8 +205,9 @@ class CheckpointSaver:
             shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
             os.makedirs(tmp)
         dist.barrier()
-        states = None if args.no_save_optim else state.optimizer.param_space_state()
-        sd = {**_common(args, state, self.pgs), **_sharded(state, self.pgs, states, not args.no_save_rng)}
+        holds = state.optimizer.save_holder()
+        states = None if args.no_save_optim else state.optimizer.param_space_state(holds)
+        sd = {**_common(args, state, self.pgs), **_sharded(state, self.pgs, states, not args.no_save_rng, holds)}
         request = dist_checkpointing.save(sd, tmp, self.strategy, async_sharded_save=True)
         self._start(request, state.iteration, on_done)
         if not args.async_save:

@@ -234,21 +234,31 @@ class DistributedAdam:
             flats[name][bucket.start : bucket.end] = piece
         return flats
 
-    def param_space_state(self) -> Dict[torch.nn.Parameter, Dict[str, torch.Tensor]]:
-        """The same per parameter: states[p][name] in p's shape, each a tensor of its own (a
-        checkpoint writer would copy a view first, as it serializes a view's whole storage), cut
-        from one bucket at a time: the host holds the state once, not a flat copy beside it."""
-        states = {p: {} for p in self.buffer.offsets}
+    def param_space_state(self, holds=None) -> Dict[torch.nn.Parameter, Dict[str, torch.Tensor]]:
+        """The same per parameter, for the parameters holds(p) picks (default: all): states[p][name]
+        in p's shape in host memory, each a tensor of its own (a checkpoint writer would copy a view
+        first, as it serializes a view's whole storage), cut from one bucket at a time: the host
+        holds each picked state once, not a flat copy beside it."""
+        states = {p: {} for p in self.buffer.offsets if holds is None or holds(p)}
         for bucket, name, piece in self._gathered_buckets():
             for p in bucket.params:
-                lo = self.buffer.offsets[p] - bucket.start
-                states[p][name] = piece[lo : lo + p.numel()].clone().view_as(p)  # flat [numel] -> p's shape
+                if p in states:
+                    lo = self.buffer.offsets[p] - bucket.start
+                    # flat [numel] -> p's shape
+                    states[p][name] = piece[lo : lo + p.numel()].to("cpu", copy=True).view_as(p)
         return states
 
+    def save_holder(self):
+        """Which parameters' state this rank holds in a torch_dist save: with the state sharded, those
+        it is the one reader of (reads_first), so that no rank keeps the whole model part's state in
+        its host memory (12 bytes a parameter, on every data-parallel rank of a node at once);
+        unsharded, all of them (None), written as the model's replicas."""
+        return self.reads_first if self.buffer.shards > 1 else None
+
     def _gathered_buckets(self):
-        """(bucket, name, fp32 host tensor over the bucket) for every bucket and MODEL_SPACE name,
-        whole on every data-parallel rank. One bucket at a time: the device holds one bucket's
-        copy, not three fp32 copies of the model part."""
+        """(bucket, name, fp32 tensor over the bucket, on the state's device) for every bucket and
+        MODEL_SPACE name, whole on every data-parallel rank. One bucket at a time: the device holds
+        one bucket's copy, not three fp32 copies of the model part."""
         device = self.device
         for bucket in self.buffer.buckets:
             inside = [f for f in self.fragments if bucket.start <= f.start < bucket.end]
@@ -260,7 +270,7 @@ class DistributedAdam:
                         piece[f.start - bucket.start : f.start - bucket.start + f.main.numel()] = source
                 if self.buffer.shards > 1:
                     self.buffer.gather_bucket(piece, bucket)
-                yield bucket, name, piece.cpu()
+                yield bucket, name, piece
 
     def param_state(self, p, name: str) -> Optional[torch.Tensor]:
         """Unsharded only: model parameter p's `name` (one of MODEL_SPACE) in p's shape, read from

@@ -197,6 +197,7 @@ def test_the_writer_writes_host_tensors_as_they_were_when_the_save_started(tmp_p
 
 
 def _check_load_asks_owned_host_state_and_reads_what_load_returns(tmp_dir, sharded_optimizer):
+    import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from megatron.training.training import setup
     from tests.unit_tests.dist_utils import grid_groups
@@ -212,7 +213,19 @@ def _check_load_asks_owned_host_state_and_reads_what_load_returns(tmp_dir, shard
     state.saver = CheckpointSaver(args, pgs, torch.device("cpu"))
     for _ in range(2):
         train_one_step(state, args)
+    held, save = [], dist_checkpointing.save
+    dist_checkpointing.save = lambda sd, *a, **kw: held.extend(
+        (sh.replica_id, sh.data.device.type) for sh in sd["optimizer"].values()) or save(sd, *a, **kw)
     path = state.saver.save(state)
+    dist_checkpointing.save = save
+    n_params = len(list(state.model[0].parameters()))
+    if sharded_optimizer:  # each parameter's state in one rank's host memory, written by that rank
+        alone = torch.tensor(len(held))
+        dist.all_reduce(alone)
+        assert alone.item() == 3 * n_params and 0 < len(held) < 3 * n_params
+        assert all(replica[-1] == 0 and device == "cpu" for replica, device in held), held
+    else:  # the state is on every rank already: written as the model's replicas
+        assert len(held) == 3 * n_params
     train_one_step(state, args)
 
     fresh, asked, real = build(), [], dist_checkpointing.load
@@ -230,7 +243,6 @@ def _check_load_asks_owned_host_state_and_reads_what_load_returns(tmp_dir, shard
     dist_checkpointing.load = as_the_fully_parallel_load  # this rank's process only
     load_checkpoint(args, fresh, pgs, path)
     owned = fresh.optimizer.fragments_of
-    n_params = len(list(fresh.model[0].parameters()))
     assert len(asked) == 3 * len(owned)
     assert len(owned) < n_params if sharded_optimizer else len(owned) == n_params  # not the other rank's
     train_one_step(fresh, args)
@@ -239,7 +251,9 @@ def _check_load_asks_owned_host_state_and_reads_what_load_returns(tmp_dir, shard
 
 @pytest.mark.parametrize("sharded_optimizer", [True, False])
 def test_a_load_asks_only_for_owned_state_in_host_memory_and_takes_what_load_returns(tmp_path, sharded_optimizer):
-    """On two data-parallel ranks (with the distributed optimizer or without), a rank reads the
+    """On two data-parallel ranks (with the distributed optimizer or without), a save of the sharded
+    state holds each parameter's in one rank's host memory only (not the whole state gathered on
+    every rank), and a rank reads the
     optimizer state of the parameters it owns a piece of only, into host tensors (not three fp32
     copies of the model part on the device), one rank per piece as the main replica, and takes the
     values from what the load returns: the step after the load is the saving run's, bit for bit,
