@@ -241,11 +241,9 @@ class DistributedAdam:
         holds each picked state once, not a flat copy beside it."""
         states = {p: {} for p in self.buffer.offsets if holds is None or holds(p)}
         for bucket, name, piece in self._gathered_buckets():
-            for p in bucket.params:
-                if p in states:
-                    lo = self.buffer.offsets[p] - bucket.start
-                    # flat [numel] -> p's shape
-                    states[p][name] = piece[lo : lo + p.numel()].to("cpu", copy=True).view_as(p)
+            for p in (p for p in bucket.params if p in states):
+                lo = self.buffer.offsets[p] - bucket.start
+                states[p][name] = piece[lo : lo + p.numel()].to("cpu", copy=True).view_as(p)  # flat -> p's shape
         return states
 
     def save_holder(self):

@@ -253,11 +253,10 @@ def _check_load_asks_owned_host_state_and_reads_what_load_returns(tmp_dir, shard
 def test_a_load_asks_only_for_owned_state_in_host_memory_and_takes_what_load_returns(tmp_path, sharded_optimizer):
     """On two data-parallel ranks (with the distributed optimizer or without), a save of the sharded
     state holds each parameter's in one rank's host memory only (not the whole state gathered on
-    every rank), and a rank reads the
-    optimizer state of the parameters it owns a piece of only, into host tensors (not three fp32
-    copies of the model part on the device), one rank per piece as the main replica, and takes the
-    values from what the load returns: the step after the load is the saving run's, bit for bit,
-    though the tensors it asked with were left empty."""
+    every rank), and a rank reads the optimizer state of the parameters it owns a piece of only,
+    into host tensors (not three fp32 copies of the model part on the device), one rank per piece
+    as the main replica, and takes the values from what the load returns: the step after the load
+    is the saving run's, bit for bit, though the tensors it asked with were left empty."""
     from tests.unit_tests.dist_utils import run_ranks
 
     run_ranks(_check_load_asks_owned_host_state_and_reads_what_load_returns, 2, str(tmp_path), sharded_optimizer)
