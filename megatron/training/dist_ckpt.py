@@ -125,19 +125,17 @@ def _state_key(key: str, name: str, state: str) -> str:
     return f"{key}.{name}.{state}"
 
 
-def _optimizer_sharded(chunks, model_sd: dict, states: dict, reads=None) -> dict:
+def _optimizer_sharded(chunks, model_sd: dict, states: dict, reads) -> dict:
     """Each parameter's main copy and moments as the parameter's own ShardedTensor under Megatron's
     key prefix "optimizer.state.<name>.": same global shape, offsets, tp axis and replicas.
     states[p][state]: the tensor in p's shape, for each parameter this rank saves or loads. reads(p):
-    whether this rank is p's one reader at a load, or its one writer at a save of a sharded state,
-    among its data-parallel replicas (megatron-core checks that every piece has one main replica);
-    None (a save of an unsharded state) keeps the model's replicas."""
+    whether this rank is p's one reader at a load, or its one writer at a save, among its
+    data-parallel replicas (megatron-core checks that every piece has one main replica)."""
     out = {}
     for key, name, p in _parameters(chunks):
         for state, data in states.get(p, {}).items():
             sh = make_sharded_optimizer_tensor(model_sd[key][name], data, f"optimizer.state.{state}")
-            if reads is not None:  # the last replica axis is the dp x cp rank
-                sh = replace(sh, replica_id=(*sh.replica_id[:-1], 0 if reads(p) else 1))
+            sh = replace(sh, replica_id=(*sh.replica_id[:-1], 0 if reads(p) else 1))  # the last axis: dp x cp
             out[_state_key(key, name, state)] = sh
     return out
 
@@ -169,7 +167,7 @@ def _common(args, state, pgs) -> dict:
     return common
 
 
-def _sharded(state, pgs, states: Optional[dict], rng: bool, reads=None) -> dict:
+def _sharded(state, pgs, states: Optional[dict], rng: bool, reads) -> dict:
     """The tensors (and per-rank objects), each placed in the whole model; the optimizer's when
     `states` is given (see _optimizer_sharded)."""
     chunks = unwrap(state.model)

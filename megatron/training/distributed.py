@@ -219,6 +219,12 @@ class GradBuffer:
         first_here = self.shards > 1 or self.dp_rank == 0
         return first_here and (self.across is None or dist.get_rank(self.across) == 0)
 
+    def replica_rank(self) -> int:
+        """This rank's place among the dp_size replicas of the model part: its rank in the group,
+        the instances one after another."""
+        instance = dist.get_rank(self.across) if self.across is not None else 0
+        return instance * dist.get_world_size(self.dp_group) + self.dp_rank
+
     def param_fragments(self):
         """(param, flat_start, flat_end) for every piece of a parameter inside an owned range."""
         for lo, hi in self.owned_ranges():

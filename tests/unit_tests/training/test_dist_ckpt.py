@@ -219,13 +219,11 @@ def _check_load_asks_owned_host_state_and_reads_what_load_returns(tmp_dir, shard
     path = state.saver.save(state)
     dist_checkpointing.save = save
     n_params = len(list(state.model[0].parameters()))
-    if sharded_optimizer:  # each parameter's state in one rank's host memory, written by that rank
-        alone = torch.tensor(len(held))
-        dist.all_reduce(alone)
-        assert alone.item() == 3 * n_params and 0 < len(held) < 3 * n_params
-        assert all(replica[-1] == 0 and device == "cpu" for replica, device in held), held
-    else:  # the state is on every rank already: written as the model's replicas
-        assert len(held) == 3 * n_params
+    # Sharded or not, each parameter's state in one rank's host memory, written by that rank
+    alone = torch.tensor(len(held))
+    dist.all_reduce(alone)
+    assert alone.item() == 3 * n_params and 0 < len(held) < 3 * n_params
+    assert all(replica[-1] == 0 and device == "cpu" for replica, device in held), held
     train_one_step(state, args)
 
     fresh, asked, real = build(), [], dist_checkpointing.load

@@ -326,3 +326,21 @@ def test_sharded_main_params_are_this_ranks_share_and_start_aligned(shards):
     elements): every rank holds only its own 1/dp of the fp32 main parameters, and every fp32 main
     fragment and its gradient start 16-byte aligned (what vectorized multi-tensor kernels need)."""
     run_ranks(_check_sharded_main_params, shards, shards)
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 4, 8])
+def test_an_unsharded_save_gives_each_parameter_one_writer_and_the_replicas_equal_shares(replicas):
+    """Unsharded, every data-parallel replica holds the whole state; a torch_dist save has each
+    parameter's state copied to the host and written by one of them (its first element's share of
+    its bucket): 64 equal parameters in buckets of 16 give every replica 64 / replicas."""
+    from megatron.training.distributed import Bucket, bucket_layout
+
+    spans, starts = bucket_layout([100] * 64, 1600, 1, aligned=False)
+    buckets = [Bucket(members, lo, hi) for lo, hi, members in spans]
+    writes = []
+    for rank in range(replicas):
+        buffer = SimpleNamespace(bucket_of={p: b for b in buckets for p in b.params}, offsets=dict(enumerate(starts)),
+                                 dp_size=replicas, replica_rank=lambda rank=rank: rank)
+        writes.append({p for p in range(64) if DistributedAdam._spread_writer(SimpleNamespace(buffer=buffer), p)})
+    assert len(buckets) == 4 and sorted(p for w in writes for p in w) == list(range(64))
+    assert [len(w) for w in writes] == [64 // replicas] * replicas
