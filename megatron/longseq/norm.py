@@ -5,8 +5,8 @@ megatron-core's torch fallback norm refuses sequence parallelism; the only thing
 are partial sums over the tp ranks (sequence shards there). This norm sets the tag.
 
 --apply-layernorm-1p (megatron-core's layernorm_zero_centered_gamma): the weight holds gamma - 1,
-initialised to 0 (params tagged `zero_centered_gamma` for init.py), and the norm scales by
-1 + weight; the function is the same, the stored number is small and centred on zero.
+initialised to 0 (init.py), and the norm scales by 1 + weight; the function is the same, the
+stored number is small and centred on zero.
 """
 import torch
 import torch.nn.functional as F
@@ -37,17 +37,17 @@ class Norm:
         norm = kind(hidden_size, eps=eps, dtype=config.params_dtype)
         for param in norm.parameters():
             param.sequence_parallel = config.sequence_parallel
-        norm.weight.zero_centered_gamma = zero_centered
         return norm
 
 
 class QKNorm:
     """--qk-layernorm: one norm over the head dimension, shared by every head. With tp each rank
     holds some of the heads, so its weight gradient is a partial sum over tp, as a
-    sequence-parallel norm's is: the same tag has it summed over tp."""
+    sequence-parallel norm's is: the same tag has it summed over tp. `norm` builds the module: our
+    Norm, or Transformer Engine's TENorm, which tags its parameters only when sequence parallel."""
 
-    def __new__(cls, config, hidden_size: int, eps: float = 1e-5):
-        norm = Norm(config, hidden_size, eps)
-        for param in norm.parameters():
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, norm=Norm):
+        module = norm(config=config, hidden_size=hidden_size, eps=eps)
+        for param in module.parameters():
             param.sequence_parallel = True
-        return norm
+        return module

@@ -8,6 +8,8 @@ as the first stage's -- with Megatron's rules, and each tensor-parallel rank kee
   weights              N(0, init_method_std)
   linear_proj, fc2     N(0, init_method_std / sqrt(2 num_layers))   (Megatron's scaled init)
   biases               0;  norm weights 1 (0 when they hold gamma - 1: --apply-layernorm-1p)
+Names and shapes tell them apart, Transformer Engine's fused norms (`layer_norm_weight`,
+`layer_norm_bias`) included: every 1-D weight of a GPT model is a norm's.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ def global_name(model, name: str) -> str:
 
 
 def _full_value(gname: str, shape, seed: int, std: float, num_layers: int, zero_centered: bool) -> torch.Tensor:
-    if gname.endswith(".bias"):
+    if gname.endswith("bias"):  # ".bias", and TE's "layer_norm_bias"
         return torch.zeros(shape)
     if len(shape) == 1:  # LayerNorm / RMSNorm weights
         return torch.zeros(shape) if zero_centered else torch.ones(shape)
@@ -62,12 +64,14 @@ def _partition(full: torch.Tensor, param, tp_rank: int, tp: int) -> torch.Tensor
 
 
 @torch.no_grad()
-def initialize_parameters(chunks, seed: int, std: float, num_layers: int, tp_rank: int, tp: int) -> None:
+def initialize_parameters(chunks, seed: int, std: float, num_layers: int, tp_rank: int, tp: int,
+                          zero_centered: bool = False) -> None:
+    """zero_centered: --apply-layernorm-1p, which every norm of the model follows."""
     for model in chunks:
         for name, param in model.named_parameters():
             gname = global_name(model, name)
             shape = list(param.shape)
             if getattr(param, "tensor_model_parallel", False):
                 shape[param.partition_dim] *= tp
-            full = _full_value(gname, shape, seed, std, num_layers, getattr(param, "zero_centered_gamma", False))
+            full = _full_value(gname, shape, seed, std, num_layers, zero_centered)
             param.copy_(_partition(full, param, tp_rank, tp))

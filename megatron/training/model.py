@@ -156,7 +156,8 @@ def build_model_chunks(args, pgs, device: torch.device) -> List[torch.nn.Module]
             pg_collection=groups,
             vp_stage=c if v > 1 else None,
         ))
-    initialize_parameters(chunks, args.seed, args.init_method_std, args.num_layers, pgs.index("tp"), pgs.size("tp"))
+    initialize_parameters(chunks, args.seed, args.init_method_std, args.num_layers, pgs.index("tp"), pgs.size("tp"),
+                          args.apply_layernorm_1p)
     for model in chunks:
         if args.recompute_granularity == "full":
             apply_full_recompute(model.decoder.layers, args.recompute_method, args.recompute_num_layers)

@@ -104,3 +104,53 @@ def test_cpu_model_gives_no_cuda_connection_advice():
     layers.linear_with_grad_accumulation_and_async_allreduce.warned = False
     tiny_gpt(tiny_args(), grid_groups())
     assert layers.linear_with_grad_accumulation_and_async_allreduce.warned
+
+
+def _te_named_layer() -> torch.nn.Module:
+    """A stand-in with Transformer Engine's parameter names for a layer's fused norm + qkv linear
+    (TE is not installed here; only the names and shapes matter to the initialisation)."""
+    qkv = torch.nn.Module()
+    qkv.layer_norm_weight, qkv.layer_norm_bias = torch.nn.Parameter(torch.empty(8)), torch.nn.Parameter(torch.empty(8))
+    qkv.weight = torch.nn.Parameter(torch.empty(24, 8))
+    layer = torch.nn.Module()
+    layer.layer_number, layer.self_attention = 1, torch.nn.Module()
+    layer.self_attention.linear_qkv = qkv
+    model = torch.nn.Module()
+    model.share_embeddings_and_output_weights, model.decoder = False, torch.nn.Module()
+    model.decoder.layers = torch.nn.ModuleList([layer])
+    return model
+
+
+@pytest.mark.parametrize("one_p", [False, True])
+def test_transformer_engines_fused_norms_start_as_megatrons(one_p):
+    """TE's fused norms (`layer_norm_weight`, `layer_norm_bias`) start as our own norms do: bias 0,
+    weight 1, or 0 with --apply-layernorm-1p (TE's zero-centred gamma); the linear weight drawn."""
+    from megatron.training.init import initialize_parameters
+
+    model = _te_named_layer()
+    initialize_parameters([model], 1234, 0.02, 1, 0, 1, zero_centered=one_p)
+    qkv = model.decoder.layers[0].self_attention.linear_qkv
+    assert torch.equal(qkv.layer_norm_bias, torch.zeros(8))
+    assert torch.equal(qkv.layer_norm_weight, torch.zeros(8) if one_p else torch.ones(8))
+    assert 0.01 < qkv.weight.std().item() < 0.03
+
+
+def test_qk_norms_are_summed_over_tp_whichever_module_builds_them():
+    """Each tp rank's q/k norm sees only its heads: its gradient is a partial sum, tagged to be
+    summed over tp. TE's TENorm tags its parameters only under sequence parallel, so QKNorm tags
+    whatever module it is given (a stand-in for TENorm here) and the spec uses it for both impls."""
+    from megatron.longseq.attention.spec import gpt_block_spec
+    from megatron.longseq.norm import Norm, QKNorm
+    from megatron.training.model import transformer_config
+
+    config = transformer_config(tiny_args("--qk-layernorm"))
+    assert not config.sequence_parallel
+
+    class UntaggedNorm:  # what TENorm gives without sequence parallel
+        def __new__(cls, config, hidden_size, eps):
+            return torch.nn.LayerNorm(hidden_size, eps=eps)
+    norm = QKNorm(config, 16, norm=UntaggedNorm)
+    assert isinstance(norm, torch.nn.LayerNorm) and all(p.sequence_parallel for p in norm.parameters())
+    attention = gpt_block_spec(config, 1).layer_specs[0].submodules.self_attention.submodules
+    assert attention.q_layernorm.module is QKNorm and attention.q_layernorm.params == {"norm": Norm}
+    assert attention.k_layernorm is attention.q_layernorm

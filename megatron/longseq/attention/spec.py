@@ -18,7 +18,8 @@ def gpt_block_spec(config, num_layers: int, transformer_impl: str = "local",
 
     local: megatron-core's local modules with our Norm (sequence-parallel aware);
     transformer_engine: TE's fused norm+linear modules (needs Transformer Engine and CUDA).
-    Either way core_attention is ours, given this rank's context-parallel layout `cp`."""
+    Either way core_attention is ours, given this rank's context-parallel layout `cp`, and the
+    q/k norms are QKNorm (their gradients summed over tp)."""
     if transformer_impl == "transformer_engine":
         from megatron.core.extensions.transformer_engine import TENorm
 
@@ -28,10 +29,11 @@ def gpt_block_spec(config, num_layers: int, transformer_impl: str = "local",
         layer = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm)
         layer.submodules.input_layernorm = Norm
         layer.submodules.pre_mlp_layernorm = Norm
-        if config.qk_layernorm:
-            layer.submodules.self_attention.submodules.q_layernorm = QKNorm
-            layer.submodules.self_attention.submodules.k_layernorm = QKNorm
         final_norm = Norm
-    layer.submodules.self_attention.submodules.core_attention = ModuleSpec(
+    attention = layer.submodules.self_attention.submodules
+    if config.qk_layernorm:  # under TE megatron-core's choice (TENorm; apex's before TE 1.9), else ours
+        norm = attention.q_layernorm if transformer_impl == "transformer_engine" else Norm
+        attention.q_layernorm = attention.k_layernorm = ModuleSpec(module=QKNorm, params={"norm": norm})
+    attention.core_attention = ModuleSpec(
         module=LongSeqCoreAttention, params={"cp": cp if cp is not None else ContextParallel.local()})
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=final_norm)
