@@ -18,7 +18,9 @@ block is reused by its own stream only, and waits for the streams `record_stream
 NCCL keeps the tensors of a collective alive until its wait(): the default of recent torch (2.11's
 ProcessGroupNCCL warns that TORCH_NCCL_AVOID_RECORD_STREAMS is deprecated); `install` sets that
 variable before torch 2.8 (a bound on the safe side: the warning is all a version in between
-costs).
+costs). Point-to-point tensors get only record_stream, which never reaches this allocator: every
+send and receive buffer is held by its caller until its wait() or completion (the ring's _Pending,
+the pipeline's Inbox and Outbox).
 """
 from __future__ import annotations
 

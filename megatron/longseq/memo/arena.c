@@ -373,6 +373,9 @@ static char *planned_alloc(int64_t size, void *stream) {
         return NULL;
     }
     int64_t offset = plan_offsets[position++];
+    /* torch asks for 0 bytes too (empty tensors) and keys its blocks by address: a planned empty
+       block may sit where a live one starts, so it takes the cache's 512 bytes of its own instead */
+    if (size == 0) return NULL;
     if (offset < 0 || stream != replay_stream) return NULL; /* outlives the iteration, or another stream's */
     char *p = arena + offset;
     reclaim_pending();

@@ -46,13 +46,15 @@ class HostPool:
     """Host memory for the offloaded bytes (pinned on a GPU): `blocks` blocks of `block_bytes`,
     one taken by each managed layer's forward and given back when its prefetch has read it.
     `released` is the event after the newest such prefetch: prefetches run in order on one
-    stream, so an offload that waits for it may write any block given back."""
+    stream, so an offload that waits for it may write any block given back. Newest by issue order:
+    a block whose backward never ran is given back late, with an older prefetch's event."""
 
     def __init__(self, blocks: int, block_bytes: int, pin: bool):
         self.blocks, self.block_bytes = blocks, aligned(block_bytes)
         self.memory = host_empty(blocks * self.block_bytes, pin)
         self.free = list(range(blocks - 1, -1, -1))
         self.released: Optional[Event] = None
+        self.prefetches, self._released_at = 0, 0  # prefetches issued; the order of `released`'s
 
     @property
     def in_use(self) -> int:
@@ -65,10 +67,16 @@ class HostPool:
                 f"blocks of {self.block_bytes} free); the profile planned for fewer layers in flight")
         return self.free.pop()
 
-    def give_back(self, block: int, event: Optional[Event]) -> None:
+    def prefetched(self, event: Event) -> tuple:
+        """(its issue order, event): what a block's prefetch gives back with the block."""
+        self.prefetches += 1
+        return self.prefetches, event
+
+    def give_back(self, block: int, read: Optional[tuple]) -> None:
+        """`read`: prefetched()'s value for the block, None when it was never read back."""
         self.free.append(block)
-        if event is not None:
-            self.released = event
+        if read is not None and read[0] > self._released_at:
+            self._released_at, self.released = read
 
     def view(self, block: int, offset: int, nbytes: int) -> torch.Tensor:
         start = block * self.block_bytes + offset

@@ -274,7 +274,7 @@ class LayerState:
         self.attention_keys: tuple = ()  # the kept attention's (out, lse) items
         self.phase = "forward"
         self.rebuilt: Optional[Dict[int, torch.Tensor]] = None
-        self.held = [None, None, 0]  # host block, the event after its prefetch, live count
+        self.held = [None, None, 0]  # host block, (order, event) after its prefetch, live count
         self.prefetched = None  # event: this layer's prefetch copies are done
 
     # ---- forward -----------------------------------------------------------------------------
@@ -449,7 +449,8 @@ class LayerState:
         for item in (item for item in self.items if item.sent_bytes):
             host = self.memo.pool.view(self.held[0], item.host, item.sent_bytes)
             streams.copy("prefetch", self._slot(item, item.sent_bytes), host)
-        self.prefetched = self.held[1] = streams.event("prefetch")
+        self.prefetched = streams.event("prefetch")
+        self.held[1] = self.memo.pool.prefetched(self.prefetched)
 
     def rematerialize(self) -> None:
         streams = self.memo.streams

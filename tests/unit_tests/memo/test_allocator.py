@@ -47,8 +47,9 @@ class Replayer:
             self.run(trace, keep)
 
     def _check_disjoint(self, ptr, size):
+        # torch keys live blocks by address: an empty one counts as a byte, as its own address
         for other, (p, s, _) in self.live.items():
-            assert ptr + size <= p or p + s <= ptr, f"overlaps live {other}"
+            assert ptr + max(size, 1) <= p or p + max(s, 1) <= ptr, f"overlaps live {other}"
 
 
 def _placed(trace):
@@ -330,6 +331,28 @@ def test_smaller_requests_replay_at_their_planned_places(traced):
     placed = _placed(trace)
     for tid in placed:
         assert replay.addresses[tid] == alloc.base + plan.offsets[tid], tid
+
+
+def test_an_empty_tensor_gets_an_address_no_live_block_has():
+    """torch asks a pluggable allocator for 0 bytes too (an empty tensor) and keys its blocks by
+    address: an empty block planned at a live block's start (the greedy planner puts every empty
+    one at the window's base) would give torch one address twice, and it aborts at the second
+    free. The empty request keeps its place in the plan and takes 512 bytes of the cache."""
+    trace = Trace()
+    trace.mark("begin fwd L1")
+    trace.events += [("malloc", "big", 1 << 20), ("malloc", "empty", 0), ("free", "empty", 0),
+                     ("malloc", "after", 4096), ("free", "after", 4096), ("free", "big", 1 << 20)]
+    trace.mark("end fwd L1")
+    plan = bilevel_plan(trace, "greedy")
+    assert plan.offsets["empty"] == plan.offsets["big"]  # what made it dangerous
+    alloc = PlannedAllocator("heap")
+    alloc.load(plan.replay)
+    replay = Replayer(alloc)
+    replay.iteration(trace)
+    assert replay.addresses["empty"] != replay.addresses["big"]
+    assert replay.addresses["after"] == alloc.base + plan.offsets["after"]  # the plan goes on
+    stats = alloc.stats()
+    assert stats["divergences"] == 0 and stats["planned_allocs"] == 2
 
 
 def test_nccl_is_asked_to_hold_its_tensors_only_where_torch_does_not_by_default():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron.longseq.memo.alpha import offloaded_rows
-from megatron.longseq.memo.buffers import MemoCapacityError
+from megatron.longseq.memo.buffers import HostPool, MemoCapacityError
 from megatron.longseq.memo.runtime import Memo
 from megatron.longseq.memo.streams import Streams
 from megatron.longseq.random import seed_everything
@@ -490,3 +490,16 @@ def test_tensors_saved_off_the_runs_device_are_kept_where_they_are(monkeypatch):
     grads, memo = iteration(args, 0.5)
     for name, g in reference.items():
         torch.testing.assert_close(grads[name], g, atol=0, rtol=0, msg=name)
+
+
+def test_the_host_pool_waits_for_the_newest_prefetch_whatever_order_blocks_come_back():
+    """An offload into a given-back host block waits for `released`, the newest prefetch that read
+    a block back. A layer whose backward never ran gives its block back late, with an older
+    prefetch's event: `released` must not go back to it (the newer prefetch may still be reading)."""
+    pool = HostPool(3, 512, pin=False)
+    first, second, never_read = (pool.take(512, layer) for layer in range(3))
+    older, newer = pool.prefetched("older"), pool.prefetched("newer")  # events: any value here
+    pool.give_back(second, newer)
+    pool.give_back(first, older)
+    pool.give_back(never_read, None)
+    assert pool.released == "newer" and pool.in_use == 0
