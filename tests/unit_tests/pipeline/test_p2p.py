@@ -95,3 +95,31 @@ def test_the_first_gradient_of_a_1f1b_is_received_only_after_the_warm_up(monkeyp
     ops = seq1f1b._stage_ops(4, 4, 1, 1, None, False)
     assert [str(op) for op in ops[0][:4]] == ["F0:0.0", "F0:1.0", "F0:2.0", "F0:3.0"]
     assert posted_at[(0, 0, 0)] == 3
+
+
+class _Send:
+    def __init__(self):
+        self.done = False
+
+    def is_completed(self):
+        return self.done
+
+    def wait(self):
+        self.done = True
+
+
+def test_a_finished_send_is_let_go_at_the_next_send(monkeypatch):
+    """A stage's output is sent and then lives on in the Outbox only until its send is done: held
+    to the end of the iteration it would outlive its backward (one activation per micro-batch)."""
+    sends = []
+    monkeypatch.setattr(p2p.dist, "isend", lambda t, dst, group: sends.append(_Send()) or sends[-1])
+    box = p2p.Outbox(None, 1, "activations")
+    first, second, third = torch.zeros(4), torch.ones(4), torch.full((4,), 2.0)
+    box.send(first)
+    box.send(second)  # the first still in flight: kept
+    assert [t.data_ptr() for t, _ in box.pending] == [first.data_ptr(), second.data_ptr()]
+    sends[0].done = True
+    box.send(third)
+    assert [t.data_ptr() for t, _ in box.pending] == [second.data_ptr(), third.data_ptr()]
+    box.flush()
+    assert box.pending == [] and all(s.done for s in sends)
