@@ -239,10 +239,12 @@ class GradBuffer:
         self.gather_flat(self.param_data, async_op)
 
     def gather_flat(self, flat: torch.Tensor, async_op: bool = False) -> None:
-        """In place: each rank's owned slices of `flat` (laid out like the buffers) to every shard."""
+        """In place: each rank's owned slices of `flat` (laid out like the buffers) to every shard.
+        In forward order (the buckets follow backward's): gathers on one communicator run in launch
+        order, and with async_op the next forward's first layer waits only for its own bucket."""
         if self.shards == 1:
             return
-        for bucket in self.buckets:
+        for bucket in reversed(self.buckets):
             work, mine = self.gather_bucket(flat[bucket.start : bucket.end], bucket, async_op)
             if async_op:
                 bucket.gather = (work, mine)  # the input lives until the gather is done

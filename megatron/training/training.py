@@ -184,13 +184,17 @@ def train_step(forward_step_func, data_iterator, state: TrainState, args, pgs, t
     save, exit_code = rerun.outcome()
     if exit_code:
         _rerun_exit(args, state, pgs, save, exit_code)
+    # Reduced before the step: after it, the all-reduce would queue behind the parameter gathers the
+    # step launches on the same communicator, and its .item() would wait for them all, leaving none
+    # to overlap the next forward (--overlap-param-gather).
+    losses = reduce_reports(reports, pgs, state.optimizer.device)
     timers("optimizer", 1).start()
     updated, grad_norm, num_zeros = state.optimizer.step(count_zeros=args.log_num_zeros_in_grad)
     timers("optimizer").stop()
     _settle(state.memo)
     if updated:  # an fp16 step skipped on overflow leaves the schedule where it was (Megatron)
         state.scheduler.step(increment=args.global_batch_size)
-    return reduce_reports(reports, pgs, state.optimizer.device), grad_norm, num_zeros, not updated
+    return losses, grad_norm, num_zeros, not updated
 
 
 def _forward_backward(forward_step_func, data_iterator, state: TrainState, args, timers):

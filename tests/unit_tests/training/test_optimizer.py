@@ -344,3 +344,32 @@ def test_an_unsharded_save_gives_each_parameter_one_writer_and_the_replicas_equa
         writes.append({p for p in range(64) if DistributedAdam._spread_writer(SimpleNamespace(buffer=buffer), p)})
     assert len(buckets) == 4 and sorted(p for w in writes for p in w) == list(range(64))
     assert [len(w) for w in writes] == [64 // replicas] * replicas
+
+
+def _check_gathers_launch_in_the_order_the_forward_waits():
+    pgs = grid_groups()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+    buffer = GradBuffer(list(model.parameters()), pgs.dp_cp, shard=True, overlap=True, bucket_elements=50)
+    buffer.wait_params_before_forward([model])
+    opt = DistributedAdam(model.named_parameters(), buffer, pgs, SimpleNamespace(**{**vars(OPT_ARGS),
+                                                                                   "overlap_param_gather": True}))
+    index = {id(b): i for i, b in enumerate(buffer.buckets)}
+    launched, waited = [], []
+    gather, wait = buffer.gather_bucket, buffer.wait_params
+    buffer.gather_bucket = lambda piece, bucket, async_op=False: (
+        launched.append(index[id(bucket)]) or gather(piece, bucket, async_op))
+    buffer.wait_params = lambda buckets=None: (
+        waited.extend(index[id(b)] for b in buckets if b.gather is not None) or wait(buckets))
+    model(torch.zeros(1, 8)).sum().backward()
+    buffer.finish_grad_sync()
+    opt.step()
+    model(torch.zeros(1, 8))
+    n = len(buffer.buckets)  # the first layer's parameters are in the last
+    assert n > 1 and launched == waited == list(range(n - 1, -1, -1)), (launched, waited)
+
+
+def test_parameter_gathers_launch_in_the_order_the_next_forward_waits_for_them():
+    """--overlap-param-gather: buckets follow backward order, so the first layer's parameters sit
+    in the last bucket. Gathers on one communicator run in launch order, so they are launched in
+    forward order: the first layer's forward waits for its own bucket, not for all of them."""
+    run_ranks(_check_gathers_launch_in_the_order_the_forward_waits, 2)
