@@ -282,8 +282,9 @@ class _Accumulators:
     buffers for the ones arriving: a buffer goes back to the pool once its send has completed,
     so a call allocates a few, not one per step."""
 
-    def __init__(self, own_block: int, like: torch.Tensor):
-        self.held: Dict[int, torch.Tensor] = {own_block: torch.zeros_like(like, dtype=torch.float32)}
+    def __init__(self, own_block: int, k: torch.Tensor):
+        self.held: Dict[int, torch.Tensor] = {
+            own_block: torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)}  # [2, b, g, s, d]
         self.like = self.held[own_block]
         self.free: List[torch.Tensor] = []
         self.pending = None  # the last exchange, with the buffers it sent
@@ -321,9 +322,11 @@ def ring_backward(dout, q, k, v, out, lse, rc: RingContext, kernel, scale, layer
     blocks = blocks if blocks is not None else plain_blocks(q.shape[2], k.shape[2])
     route = route if route is not None else rc.plain_route
     rc.connect(q.device)
-    kv = torch.stack([k, v])
+    # [2, b, g, s, d]: one message per step. Without a ring k and v go to the kernel as they came,
+    # as in the forward: cuDNN keys its graphs on strides, and a stacked copy would miss them.
+    kv = torch.stack([k, v]) if rc.size > 1 else (k, v)
     rows = _Rows(dout, out, lse)
-    accs = _Accumulators(rc.ring_index, kv)
+    accs = _Accumulators(rc.ring_index, k)
     kv_outer, kv_inner = _Pair(kv, first=kv), _Pair(kv)
     for o in range(rc.outer_size):
         outer = _kv_step(rc.outer, route.kv_outer(o), kv, kv_outer, layer, "bwd")

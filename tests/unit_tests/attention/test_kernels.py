@@ -243,15 +243,12 @@ def test_efficient_kernel_hands_its_half_backward_out_laid_out_by_sequence(monke
         assert got.transpose(1, 2).is_contiguous() == copied and (got is given) != copied, name
 
 
-def test_cudnn_builds_graphs_for_a_bounded_number_of_shapes(monkeypatch):
-    """Packed documents give every piece its own shape, and torch builds (and keeps) a cuDNN graph
-    per shape: past MAX_SHAPES the new shapes go to the flash kernel, and each shape's backward runs
-    where its forward ran."""
-    ran = []
-
+def _record_attention_ops(monkeypatch, ran):
+    """torch's cuDNN and flash ops (CUDA only) replaced by stand-ins of the right shapes that note
+    (op, key length) in `ran`."""
     def op(name, result):
         def call(*a, **kw):
-            ran.append((name, a[1].shape[2]))  # (kernel op, the call's key length)
+            ran.append((name, a[1].shape[2]))
             return result(*a)
         monkeypatch.setattr(torch.ops.aten, name, call)
 
@@ -259,6 +256,42 @@ def test_cudnn_builds_graphs_for_a_bounded_number_of_shapes(monkeypatch):
     op("_scaled_dot_product_flash_attention", lambda q, *_: (torch.zeros_like(q), torch.zeros(q.shape[:3])))
     op("_scaled_dot_product_cudnn_attention_backward", lambda dout, q, k, v, *_: (q, k, v))
     op("_scaled_dot_product_flash_attention_backward", lambda dout, q, k, v, *_: (q, k, v))
+
+
+def test_cudnn_runs_the_backward_of_its_forward_with_seq1f1b_segments_and_no_ring(monkeypatch):
+    """cuDNN's graphs are keyed on strides too: without a ring the backward hands the kernel k and
+    v as the forward did (not a stacked copy), so each segment's blocks stay on cuDNN both ways."""
+    from megatron.longseq.attention.ring import LOCAL, ring_attention
+    from megatron.longseq.attention.segments import SegmentSlot, SegmentState
+
+    ran = []
+    _record_attention_ops(monkeypatch, ran)
+    kernel, state, outs = TorchCudnnKernel(), SegmentState(), []
+    s, b, h, d = 16, 1, 4, 8
+    for segment in range(2):
+        x = [torch.randn(s, b, h, d, requires_grad=True) for _ in range(3)]  # [s, b, h, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in x)  # -> [b, h, s, d] views, as core attention hands them
+        outs.append(ring_attention(q, k, v, LOCAL, kernel, 0.25, layer=1, segment=SegmentSlot(state, segment))[0])
+    ran.clear()
+    for out in reversed(outs):
+        out.sum().backward()
+    assert len(ran) == 3 and {name for name, _ in ran} == {"_scaled_dot_product_cudnn_attention_backward"}
+
+
+def test_a_block_of_one_key_never_goes_to_cudnn(monkeypatch):
+    ran = []
+    _record_attention_ops(monkeypatch, ran)
+    q, k = torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 1, 8)
+    TorchCudnnKernel()._forward(q, k, k, False, 1.0)
+    assert ran == [("_scaled_dot_product_flash_attention", 1)]
+
+
+def test_cudnn_builds_graphs_for_a_bounded_number_of_shapes(monkeypatch):
+    """Packed documents give every piece its own shape, and torch builds (and keeps) a cuDNN graph
+    per shape: past MAX_SHAPES the new shapes go to the flash kernel, and each shape's backward runs
+    where its forward ran."""
+    ran = []
+    _record_attention_ops(monkeypatch, ran)
     monkeypatch.setattr(TorchCudnnKernel, "MAX_SHAPES", 3)
     kernel = TorchCudnnKernel()
     lengths = [8, 16, 8, 24, 32, 40, 16, 32]  # 5 distinct shapes, some again
