@@ -120,10 +120,11 @@ def save_checkpoint(args, state, pgs) -> str:
     dist.barrier()
     rank_dir = os.path.join(tmp, rank_dir_name(pgs))
     distributed = args.use_distributed_optimizer and not args.no_save_optim
-    # collective: every rank's shards, whole on every rank; then the writers go their own way
-    flats = state.optimizer.model_space_state() if distributed else None
+    writer = pgs.index("dp_cp") == 0  # the model is replicated over dp x cp: one writer per (tp, pp)
+    # collective: every rank's shards, whole on the writer only; then it goes its own way
+    flats = state.optimizer.model_space_state(keep=writer) if distributed else None
     rerun = gathered_states(state.rerun)
-    if pgs.index("dp_cp") == 0:  # the model is replicated over dp x cp: one writer per (tp, pp)
+    if writer:
         os.makedirs(rank_dir, exist_ok=True)
         atomic_torch_save(_main_file(args, state, rerun), os.path.join(rank_dir, "model_optim_rng.pt"))
         if distributed:
@@ -268,13 +269,13 @@ def _load_optimizer(args, state, obj: dict, rank_dir: str, pgs) -> None:
                          f"state does not carry over; load with --no-load-optim")
     if args.use_distributed_optimizer:
         world = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-        flats = from_megatron(world, state.optimizer.buffer, unwrap(state.model), args, pgs.index("pp"),
-                              pgs.size("dp_cp_intra"))
-        steps = megatron_steps(saved)
+        states = from_megatron(world, state.optimizer.fragments_of, unwrap(state.model), args, pgs.index("pp"),
+                               pgs.size("dp_cp_intra"))
+        state.optimizer.load_param_states(states, megatron_steps(saved))
     else:
         flats, steps = from_megatron_plain(saved, state.optimizer.buffer,
                                            megatron_groups(state.optimizer, unwrap(state.model), args))
-    state.optimizer.load_model_space_state(flats, steps)
+        state.optimizer.load_model_space_state(flats, steps)
     if state.optimizer.scaler is not None and "grad_scaler" in saved:
         state.optimizer.scaler.load_state_dict(saved["grad_scaler"])
 

@@ -93,25 +93,24 @@ def to_megatron(flats: Dict[str, torch.Tensor], offsets: Dict, chunks, args, pp_
     return out
 
 
-def from_megatron(saved: dict, buffer, chunks, args, pp_rank: int, dp_size: int) -> dict:
-    """Model-space flats (laid out like this trainer's `buffer`, in host memory: the optimizer
-    takes its pieces to the device) from distrib_optim.pt."""
-    offsets, numel = buffer.offsets, buffer.param_data.numel()
+def from_megatron(saved: dict, owned, chunks, args, pp_rank: int, dp_size: int) -> dict:
+    """states[p][ours] in p's shape, for each parameter in `owned` (those this rank's shard
+    touches), from distrib_optim.pt: views of its tensors (memory-mapped by the caller, so only
+    these pieces are read), not a copy of the model part's whole state on every rank."""
     if not saved.get("buckets_coalesced"):
         raise ValueError("distrib_optim.pt predates Megatron's coalesced layout (2024-02); "
                          "load with --no-load-optim")
-    flats = {ours: torch.zeros(numel, dtype=torch.float32) for ours in STATES.values()}
+    states = {}
     for i, params, (ranges, expected) in _chunk_ranges(chunks, args, pp_rank, dp_size):
         (world,) = saved[i].values()  # one buffer per chunk (one dtype)
         if world["numel_unpadded"] != expected:
             raise ValueError(f"distrib_optim.pt chunk {i} holds {world['numel_unpadded']} elements, this model's "
                              f"buffer {expected}: another model, or other --ddp-bucket-size / "
                              f"--overlap-grad-reduce settings than the run that saved it")
-        for p in params:
+        for p in (p for p in params if p in owned):
             lo, hi = ranges[p]
-            for name, ours in STATES.items():
-                flats[ours][offsets[p] : offsets[p] + p.numel()] = world[name][lo:hi]
-    return flats
+            states[p] = {ours: world[name][lo:hi].view(p.shape) for name, ours in STATES.items()}  # flat -> p's
+    return states
 
 
 # ---- param groups (model_optim_rng.pt["optimizer"]) -------------------------------------------

@@ -525,3 +525,41 @@ def test_non_distributed_state_of_other_groups_is_one_line(tmp_path):
     other, _, fresh = make_state(tmp_path, "--ckpt-format torch --decoupled-lr 1e-2")
     with pytest.raises(ValueError, match=r"optimizer groups hold \[\d+, \d+\] parameters, this model's .*--decoupled-lr"):
         load_checkpoint(other, fresh, pgs)
+
+
+def _check_the_sharded_state_is_whole_on_the_writer_only(tmp_dir):
+    import torch.distributed as dist
+
+    from megatron.training.optimizer import DistributedAdam
+
+    args = tiny_args(f"--save {tmp_dir} --load {tmp_dir} --bf16 --ckpt-format torch --use-distributed-optimizer",
+                     world_size=2)
+    pgs = grid_groups()
+
+    def build():
+        return setup(args, pgs, lambda a, p, d: tiny_gpt(a, p))
+    state = build()
+    train_one_step(state, args)
+    kept, whole = [], DistributedAdam.model_space_state
+    DistributedAdam.model_space_state = lambda self, keep=True: kept.append(whole(self, keep)) or kept[-1]
+    save_checkpoint(args, state, pgs)
+    DistributedAdam.model_space_state = whole
+    assert len(kept) == 1 and (kept[0] is not None) == (dist.get_rank() == 0)
+    train_one_step(state, args)
+    fresh, taken, read = build(), [], checkpointing.from_megatron
+    checkpointing.from_megatron = lambda *a: taken.append(read(*a)) or taken[-1]
+    load_checkpoint(args, fresh, pgs)
+    checkpointing.from_megatron = read
+    n_params = len(list(fresh.model[0].parameters()))
+    assert taken[0].keys() == fresh.optimizer.fragments_of.keys() and len(taken[0]) < n_params
+    train_one_step(fresh, args)
+    assert torch.equal(fresh.optimizer.main_data, state.optimizer.main_data)
+
+
+def test_a_torch_format_save_gathers_the_sharded_state_whole_on_its_writer_only(tmp_path):
+    """distrib_optim.pt is written by data-parallel rank 0 alone: the others take part in the
+    gathers and keep nothing (12 bytes a parameter of host memory each, on every rank of a node);
+    a load takes the parameters its shard touches only, and the two-rank run resumes exactly."""
+    from tests.unit_tests.dist_utils import run_ranks
+
+    run_ranks(_check_the_sharded_state_is_whole_on_the_writer_only, 2, str(tmp_path))
