@@ -203,9 +203,9 @@ class CheckpointSaver:
             shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
             os.makedirs(tmp)
         dist.barrier()
-        holds = state.optimizer.save_holder()
-        states = None if args.no_save_optim else state.optimizer.param_space_state(holds)
-        sd = {**_common(args, state, self.pgs), **_sharded(state, self.pgs, states, not args.no_save_rng, holds)}
+        writes = state.optimizer.writes
+        states = None if args.no_save_optim else state.optimizer.param_space_state(writes)
+        sd = {**_common(args, state, self.pgs), **_sharded(state, self.pgs, states, not args.no_save_rng, writes)}
         request = dist_checkpointing.save(sd, tmp, self.strategy, async_sharded_save=True)
         self._start(request, state.iteration, on_done)
         if not args.async_save:

@@ -250,20 +250,15 @@ class DistributedAdam:
                 states[p][name] = piece[lo : lo + p.numel()].to("cpu", copy=True).view_as(p)  # flat -> p's shape
         return states
 
-    def save_holder(self):
-        """Which parameters' state this rank holds in a torch_dist save: each parameter's one writer
-        among its data-parallel replicas, so that no rank keeps the whole model part's state in its
-        host memory (12 bytes a parameter, on every data-parallel rank of a node at once). Sharded:
-        the parameter's one reader (reads_first); unsharded: see _spread_writer."""
-        return self.reads_first if self.buffer.shards > 1 else self._spread_writer
-
-    def _spread_writer(self, p: torch.nn.Parameter) -> bool:
-        """Unsharded (every replica has all of it): whether this rank writes p, as if p's bucket were
-        cut into one equal share per replica and p went to the share holding its first element, so
-        that the replicas split the writing about evenly."""
-        bucket, replicas = self.buffer.bucket_of[p], self.buffer.dp_size
-        share = -(-(bucket.end - bucket.start) // replicas)  # ceil: every element in some share
-        return (self.buffer.offsets[p] - bucket.start) // share == self.buffer.replica_rank()
+    def writes(self, p: torch.nn.Parameter) -> bool:
+        """Whether this rank holds and writes p's state in a torch_dist save, as p's one writer among
+        the data-parallel replicas (each bucket is whole on every one of them first, sharded or not),
+        so that no rank keeps the whole model part's state in its host memory (12 bytes a parameter,
+        on every data-parallel rank of a node at once). The flat buffer is cut into one equal share
+        per replica and p goes to the share holding its middle element: the replicas write about
+        equal amounts (by first element, a bucket's leading large matrix went to the first share)."""
+        middle = self.buffer.offsets[p] + p.numel() // 2
+        return middle * self.buffer.dp_size // self.buffer.param_data.numel() == self.buffer.replica_rank()
 
     def _gathered_buckets(self):
         """(bucket, name, fp32 tensor over the bucket, on the state's device) for every bucket and

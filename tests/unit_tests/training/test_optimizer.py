@@ -328,22 +328,36 @@ def test_sharded_main_params_are_this_ranks_share_and_start_aligned(shards):
     run_ranks(_check_sharded_main_params, shards, shards)
 
 
-@pytest.mark.parametrize("replicas", [1, 2, 4, 8])
-def test_an_unsharded_save_gives_each_parameter_one_writer_and_the_replicas_equal_shares(replicas):
-    """Unsharded, every data-parallel replica holds the whole state; a torch_dist save has each
-    parameter's state copied to the host and written by one of them (its first element's share of
-    its bucket): 64 equal parameters in buckets of 16 give every replica 64 / replicas."""
-    from megatron.training.distributed import Bucket, bucket_layout
+def _llama_8b_numels():
+    """Element counts of a Llama-3-8B-shaped model part in registration order (no tensors)."""
+    h, ffn, kv, vocab = 4096, 14336, 1024, 128256
+    layer = [h, (h + 2 * kv) * h, h * h, h, 2 * ffn * h, h * ffn]  # norm, qkv, proj, norm, fc1, fc2
+    return [vocab * h] + layer * 32 + [h, vocab * h]
 
-    spans, starts = bucket_layout([100] * 64, 1600, 1, aligned=False)
-    buckets = [Bucket(members, lo, hi) for lo, hi, members in spans]
-    writes = []
+
+@pytest.mark.parametrize("replicas", [2, 8])
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_torch_dist_save_gives_each_parameter_one_writer_and_the_replicas_about_equal_shares(replicas, sharded):
+    """Every replica holds each bucket whole before a torch_dist save (sharded state is gathered
+    first); each parameter's state is copied to the host and written by one of them. Megatron's
+    default buckets (40M elements) on an 8B-shaped model: each replica writes within 10% of an
+    equal share (a bucket's first element would give its leading large matrix to one replica)."""
+    from megatron.training.distributed import DEFAULT_BUCKET_ELEMENTS, bucket_layout
+
+    params = [torch.empty(n, device="meta") for n in _llama_8b_numels()]
+    ordered = list(reversed(params))  # the buffer's order (GradBuffer)
+    spans, starts = bucket_layout([p.numel() for p in ordered], DEFAULT_BUCKET_ELEMENTS,
+                                  replicas if sharded else 1, aligned=sharded)
+    offsets, total = dict(zip(ordered, starts)), spans[-1][1]
+    shares = []
     for rank in range(replicas):
-        buffer = SimpleNamespace(bucket_of={p: b for b in buckets for p in b.params}, offsets=dict(enumerate(starts)),
-                                 dp_size=replicas, replica_rank=lambda rank=rank: rank)
-        writes.append({p for p in range(64) if DistributedAdam._spread_writer(SimpleNamespace(buffer=buffer), p)})
-    assert len(buckets) == 4 and sorted(p for w in writes for p in w) == list(range(64))
-    assert [len(w) for w in writes] == [64 // replicas] * replicas
+        buffer = SimpleNamespace(offsets=offsets, dp_size=replicas, replica_rank=lambda rank=rank: rank,
+                                 param_data=SimpleNamespace(numel=lambda: total))
+        shares.append([p for p in params if DistributedAdam.writes(SimpleNamespace(buffer=buffer), p)])
+    assert sorted(id(p) for share in shares for p in share) == sorted(id(p) for p in params)
+    size = sum(p.numel() for p in params)
+    assert all(abs(sum(p.numel() for p in share) / size - 1 / replicas) <= 0.1 / replicas for share in shares), [
+        sum(p.numel() for p in share) / size for share in shares]
 
 
 def _check_gathers_launch_in_the_order_the_forward_waits():
