@@ -184,9 +184,8 @@ def train_step(forward_step_func, data_iterator, state: TrainState, args, pgs, t
     save, exit_code = rerun.outcome()
     if exit_code:
         _rerun_exit(args, state, pgs, save, exit_code)
-    # Reduced before the step: after it, the all-reduce would queue behind the parameter gathers the
-    # step launches on the same communicator, and its .item() would wait for them all, leaving none
-    # to overlap the next forward (--overlap-param-gather).
+    # before the step: after it, this all-reduce would queue behind the step's parameter gathers on
+    # the same communicator, and its .item() would wait for them all (--overlap-param-gather)
     losses = reduce_reports(reports, pgs, state.optimizer.device)
     timers("optimizer", 1).start()
     updated, grad_norm, num_zeros = state.optimizer.step(count_zeros=args.log_num_zeros_in_grad)
