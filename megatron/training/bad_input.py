@@ -24,7 +24,19 @@ def run_main(main) -> None:
             # rank 0 before it printed the line; so the others wait for that teardown, bounded
             # for launchers (srun) that let each task run out.
             time.sleep(REPORT_GRACE_S)
+        _leave_process_group()
         sys.exit(2)
+
+
+def _leave_process_group() -> None:
+    """A run refused after start-up (MEMO's host budget) has its process group and store up; left
+    to interpreter teardown, a thread of theirs may still be joinable when its object is destroyed,
+    and the process aborts (`terminate called without an active exception`, status -6) instead
+    of exiting with 2."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 REPORT_GRACE_S = 30.0

@@ -246,6 +246,7 @@ def test_bad_input_is_printed_by_rank_0_while_the_others_wait(monkeypatch, capsy
     slept = []
     monkeypatch.setenv("RANK", rank)
     monkeypatch.setattr(bad_input.time, "sleep", slept.append)
+    monkeypatch.setattr(bad_input, "_leave_process_group", lambda: None)  # this process's world stays up
 
     def main():
         raise ArgsError("--lr is required")
@@ -255,6 +256,27 @@ def test_bad_input_is_printed_by_rank_0_while_the_others_wait(monkeypatch, capsy
     assert info.value.code == 2
     assert (capsys.readouterr().err == "pretrain_gpt.py: error: --lr is required\n") == printed
     assert slept == ([bad_input.REPORT_GRACE_S] if waited else [])
+
+
+def test_a_refusal_after_start_up_leaves_the_process_group_before_exiting(monkeypatch):
+    """MEMO's host-budget refusal comes after the process group is up: it is destroyed before the
+    exit, not left to interpreter teardown (where a joinable thread of its store once aborted the
+    process with status -6 instead of 2)."""
+    import torch.distributed as dist
+
+    from megatron.longseq.memo.alpha import HostMemoryError
+    from megatron.training import bad_input
+
+    left = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: not left)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: left.append(True))
+
+    def main():
+        raise HostMemoryError("the plan needs 2 MiB, --memo-host-memory-gb allows 1 MiB")
+
+    with pytest.raises(SystemExit) as info:
+        bad_input.run_main(main)
+    assert info.value.code == 2 and left == [True]
 
 
 def test_transformer_engine_layers_need_transformer_engine(monkeypatch):
