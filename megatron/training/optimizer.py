@@ -83,6 +83,8 @@ class DistributedAdam:
         self.clip_grad = args.clip_grad
         self.check_nan = args.check_for_nan_in_loss_and_grad
         self.overlap_param_gather = args.overlap_param_gather  # the forward pre-hooks wait (GradBuffer)
+        # --log-params-norm: taken in the step, before the parameter gathers it would queue behind
+        self.log_params_norm, self.last_params_norm = args.log_params_norm, None
         names = {p: n for n, p in named_params}
         self.fp32_model = buffer.param_data.dtype == torch.float32
         self.device = buffer.param_data.device
@@ -197,6 +199,7 @@ class DistributedAdam:
             found_inf = self._unscale_found_inf()
             self.scaler.update(found_inf)
             if found_inf:
+                self._note_params_norm()
                 return False, None, None
         grad_norm = self.grad_norm()
         if self.check_nan and not math.isfinite(grad_norm):
@@ -212,8 +215,14 @@ class DistributedAdam:
         if not self.fp32_model:
             for lo, hi in self.buffer.owned_ranges():
                 self.buffer.param_data[lo:hi].copy_(self._main(lo, hi))
+        self._note_params_norm()
         self.buffer.all_gather_params(async_op=self.overlap_param_gather)
         return True, grad_norm, num_zeros
+
+    def _note_params_norm(self) -> None:
+        """The step's params norm, from the owned main params, while nothing is queued on the
+        data-parallel communicator: after the gathers its all-reduce and .item() would wait for them."""
+        self.last_params_norm = self.params_norm() if self.log_params_norm else None
 
     def reload_model_params(self) -> None:
         """After loading model weights: the fp32 main copy starts from them."""

@@ -324,7 +324,7 @@ class _Reporter:
         self.stats.add(losses, skipped=skipped)
         loss_scale = state.optimizer.loss_scale
         lr = state.optimizer.param_groups[0]["lr"]
-        params_norm = state.optimizer.params_norm() if args.log_params_norm else None
+        params_norm = state.optimizer.last_params_norm  # taken in the step (--log-params-norm)
         if state.iteration % args.tensorboard_log_interval == 0:
             values = {"learning-rate": lr, "batch-size": args.global_batch_size, "loss-scale": loss_scale,
                       "grad-norm": grad_norm, "num-zeros": num_zeros, "params-norm": params_norm, **losses}

@@ -12,7 +12,8 @@ from megatron.training.optimizer import DistributedAdam, no_weight_decay
 from tests.unit_tests.dist_utils import grid_groups, run_ranks
 
 OPT_ARGS = SimpleNamespace(lr=1e-2, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, weight_decay=0.1,
-                           clip_grad=0.5, check_for_nan_in_loss_and_grad=True, overlap_param_gather=False)
+                           clip_grad=0.5, check_for_nan_in_loss_and_grad=True, overlap_param_gather=False,
+                           log_params_norm=False)
 
 
 class Tiny(torch.nn.Module):
@@ -365,25 +366,31 @@ def _check_gathers_launch_in_the_order_the_forward_waits():
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
     buffer = GradBuffer(list(model.parameters()), pgs.dp_cp, shard=True, overlap=True, bucket_elements=50)
     buffer.wait_params_before_forward([model])
-    opt = DistributedAdam(model.named_parameters(), buffer, pgs, SimpleNamespace(**{**vars(OPT_ARGS),
-                                                                                   "overlap_param_gather": True}))
+    flags = {**vars(OPT_ARGS), "overlap_param_gather": True, "log_params_norm": True}
+    opt = DistributedAdam(model.named_parameters(), buffer, pgs, SimpleNamespace(**flags))
     index = {id(b): i for i, b in enumerate(buffer.buckets)}
     launched, waited = [], []
-    gather, wait = buffer.gather_bucket, buffer.wait_params
+    gather, wait, norm = buffer.gather_bucket, buffer.wait_params, opt.params_norm
     buffer.gather_bucket = lambda piece, bucket, async_op=False: (
         launched.append(index[id(bucket)]) or gather(piece, bucket, async_op))
     buffer.wait_params = lambda buckets=None: (
         waited.extend(index[id(b)] for b in buckets if b.gather is not None) or wait(buckets))
+    opt.params_norm = lambda: launched.append("norm") or norm()
     model(torch.zeros(1, 8)).sum().backward()
     buffer.finish_grad_sync()
     opt.step()
     model(torch.zeros(1, 8))
     n = len(buffer.buckets)  # the first layer's parameters are in the last
-    assert n > 1 and launched == waited == list(range(n - 1, -1, -1)), (launched, waited)
+    assert n > 1 and launched[1:] == waited == list(range(n - 1, -1, -1)), (launched, waited)
+    # --log-params-norm: taken before the gathers (its all-reduce would queue behind them), of the
+    # new weights; fp32 sums of squares added in another order differ by ~1e-7 relative
+    whole = math.sqrt(sum(p.detach().square().sum().item() for p in model.parameters()))
+    assert launched[0] == "norm" and abs(opt.last_params_norm - whole) <= 1e-6 * whole
 
 
 def test_parameter_gathers_launch_in_the_order_the_next_forward_waits_for_them():
     """--overlap-param-gather: buckets follow backward order, so the first layer's parameters sit
     in the last bucket. Gathers on one communicator run in launch order, so they are launched in
-    forward order: the first layer's forward waits for its own bucket, not for all of them."""
+    forward order: the first layer's forward waits for its own bucket, not for all of them. The
+    params norm (--log-params-norm) is taken before them, and is the norm of the updated weights."""
     run_ranks(_check_gathers_launch_in_the_order_the_forward_waits, 2)
