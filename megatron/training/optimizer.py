@@ -247,12 +247,12 @@ class DistributedAdam:
                 flats[name][bucket.start : bucket.end] = piece
         return flats
 
-    def param_space_state(self, holds=None) -> Dict[torch.nn.Parameter, Dict[str, torch.Tensor]]:
-        """The same per parameter, for the parameters holds(p) picks (default: all): states[p][name]
+    def param_space_state(self, holds) -> Dict[torch.nn.Parameter, Dict[str, torch.Tensor]]:
+        """The same per parameter, for the parameters holds(p) picks (`writes` at a save): states[p][name]
         in p's shape in host memory, each a tensor of its own (a checkpoint writer would copy a view
         first, as it serializes a view's whole storage), cut from one bucket at a time: the host
         holds each picked state once, not a flat copy beside it."""
-        states = {p: {} for p in self.buffer.offsets if holds is None or holds(p)}
+        states = {p: {} for p in self.buffer.offsets if holds(p)}
         for bucket, name, piece in self._gathered_buckets():
             for p in (p for p in bucket.params if p in states):
                 lo = self.buffer.offsets[p] - bucket.start
