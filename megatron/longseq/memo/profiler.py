@@ -149,15 +149,23 @@ def trace_iteration(run_microbatch: Callable[[], None], layers, device) -> Trace
     return trace
 
 
+# The trace reads each entry's action, address, size and stream, nothing else: no tracebacks (torch's
+# default unwinds the C++ stack at every allocation and free, then symbolises every frame in
+# _snapshot), and no entries of the kinds it skips filling the history's ring.
+HISTORY = dict(enabled="all", context=None, stacks="python", max_entries=1_000_000, clear_history=True,
+               skip_actions=["free_completed", "segment_alloc", "segment_free", "snapshot"])
+
+
 def _traced(run_microbatch, device, marks, trace: Trace) -> Trace:
-    if device.type == "cuda":
-        torch.cuda.memory._record_memory_history(max_entries=1_000_000, clear_history=True)
+    if device.type != "cuda":
+        with AllocationTracer(trace):
+            run_microbatch()
+        return trace
+    torch.cuda.memory._record_memory_history(**HISTORY)
+    try:  # recording stops whatever happens: left on, it would slow down every later allocation
         run_microbatch()
         torch.cuda.synchronize(device)
-        trace = from_cuda_snapshot(torch.cuda.memory._snapshot(), device.index or 0,
-                                   marks.stream.cuda_stream, marks.labels)
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-        return trace
-    with AllocationTracer(trace):
-        run_microbatch()
-    return trace
+    return from_cuda_snapshot(snapshot, device.index or 0, marks.stream.cuda_stream, marks.labels)

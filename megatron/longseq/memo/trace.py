@@ -113,6 +113,8 @@ def from_cuda_snapshot(snapshot: dict, device: int = 0, marker_stream: int = -1,
     trace, ids, generation = Trace(), {}, {}
     marks = iter(labels)
     for e in snapshot["device_traces"][device]:
+        if e["action"] not in ("alloc", "free_requested"):  # an "oom" entry has no address
+            continue
         addr, size = e["addr"], e["size"]
         if e.get("stream") == marker_stream:
             if e["action"] == "alloc":

@@ -1,4 +1,5 @@
 """The DSA planner and the bi-level plan: valid plans, near the bound, the solver fallbacks."""
+import contextlib
 import random
 
 import pytest
@@ -104,6 +105,33 @@ def test_cuda_history_carries_the_window_marks():
     assert trace.windows() == {"fwd L1": (1, 4)}
     with pytest.raises(ValueError, match="lost 1 of 3 window marks"):
         from_cuda_snapshot({"device_traces": [history]}, 0, M, ["begin fwd L1", "end fwd L1", "begin bwd L1"])
+    oom = {"action": "oom", "size": 2**40, "stream": 0, "device_free": 2**30}  # torch 2.11: no "addr"
+    assert from_cuda_snapshot({"device_traces": [history[:2] + [oom] + history[2:]]}, 0, M,
+                              ["begin fwd L1", "end fwd L1"]).events == trace.events
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_cuda_history_records_no_tracebacks_and_stops_whatever_happens(monkeypatch, fails):
+    """torch's defaults unwind the C++ stack at every allocation and symbolise it in the snapshot,
+    none of which the trace reads; and a history left on slows every later allocation."""
+    from types import SimpleNamespace
+
+    from megatron.longseq.memo import profiler
+
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: {"device_traces": [[]]})
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+    def iteration():
+        if fails:
+            raise RuntimeError("CUDA out of memory")
+    marks = SimpleNamespace(stream=SimpleNamespace(cuda_stream=7), labels=[])
+    with pytest.raises(RuntimeError) if fails else contextlib.nullcontext():
+        profiler._traced(iteration, torch.device("cuda", 0), marks, Trace())
+    assert calls[0]["context"] is None and calls[0]["stacks"] == "python" and calls[0]["enabled"] == "all"
+    assert {"alloc", "free_requested", "oom"}.isdisjoint(calls[0]["skip_actions"])
+    assert calls[1:] == [{"enabled": None}]
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
