@@ -115,7 +115,6 @@ def setup_memo(args, pgs, state, forward_step_func, device) -> Memo:
                          f"and {len(plan.replay.marks)} window marks an iteration")
     if planned is not None:
         planned.settle()
-        planned.reset_peak()
     state.optimizer.zero_grad()
     memo.reset_stats()
     _report(memo, choice, profile, budget)

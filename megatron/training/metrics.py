@@ -110,6 +110,18 @@ def memory_stats() -> Dict[str, float]:
     return {"rss": rss, "max rss": max(peak, rss)}  # ru_maxrss lags the current RSS slightly
 
 
+def reset_memory_peaks() -> None:
+    """The memory lines' maxima (and torch's retry count) start with training: they are the
+    training iterations', not set-up's (model building, MEMO's profile and trace iterations)."""
+    from megatron.longseq.memo import allocator
+
+    if allocator.INSTALLED is not None:
+        allocator.INSTALLED.reset_peak()
+    elif torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.reset_accumulated_memory_stats()
+
+
 def memory_line(iteration: int) -> str:
     mb = 1024.0 * 1024.0
     stats = memory_stats()

@@ -31,9 +31,8 @@ from megatron.training.data import build_loader, train_valid_test_num_samples
 from megatron.training.distributed import GradBuffer
 from megatron.training.flops import default_peak_tflops, num_floating_point_operations
 from megatron.training.initialize import device_of, initialize_distributed
-from megatron.training.metrics import (
-    IntervalStats, TensorboardLogger, format_iteration_line, memory_line, print_rank_0, print_rank_last,
-)
+from megatron.training.metrics import (IntervalStats, TensorboardLogger, format_iteration_line, memory_line,
+                                       print_rank_0, print_rank_last, reset_memory_peaks)
 from megatron.training.memo_setup import setup_memo
 from megatron.training.loss_scaler import loss_scaler
 from megatron.training.model import fusions, params_dtype, unwrap
@@ -429,6 +428,7 @@ def train(forward_step_func, train_iter, valid_iter, state: TrainState, args, pg
         gc.collect()
     reporter = _Reporter(args, pgs, timers, tb)
     _train_mode(state.model, True)
+    reset_memory_peaks()
     while state.iteration < args.train_iters:
         record = bool(args.pipeline_timeline) and state.iteration + 1 == args.train_iters
         state.pipeline.record_timeline = record

@@ -81,6 +81,26 @@ def test_planned_allocator_is_installed_before_cuda_starts(monkeypatch):
     assert calls == ["install", "set_device"]
 
 
+# ---- memory lines ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("planned", [False, True])
+def test_memory_peaks_start_with_training(monkeypatch, planned):
+    """The memory line's maxima are the training iterations': set-up (MEMO's profile and trace
+    iterations among it) would otherwise set torch's peaks, and fragmentation read from them."""
+    from megatron.longseq.memo import allocator
+    from megatron.training import metrics
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: calls.append("peaks"))
+    monkeypatch.setattr(torch.cuda, "reset_accumulated_memory_stats", lambda: calls.append("retries"))
+    arena = SimpleNamespace(reset_peak=lambda: calls.append("arena peaks"))
+    monkeypatch.setattr(allocator, "INSTALLED", arena if planned else None)
+    metrics.reset_memory_peaks()
+    assert calls == (["arena peaks"] if planned else ["peaks", "retries"])
+
+
 # ---- fusions --------------------------------------------------------------------------------------
 
 FUSED = ("bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fusion", "cross_entropy_loss_fusion")
