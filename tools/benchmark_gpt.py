@@ -7,7 +7,9 @@ Each sequence length is one pretrain_gpt.py run on mock data with --log-throughp
 --warmup iterations are dropped and the rest averaged. Every iteration holds --tokens-per-iter tokens
 (micro-batch 1, gradient accumulation up to it), so short and long sequences do the same work per
 step. A run that runs out of memory is retried with full recompute, and the table says so.
-Prints a markdown table with device, date and the exact command of each row.
+Prints a markdown table with device, date and the exact command of each row. Every run is stopped
+after --timeout seconds, and none starts once --budget seconds have gone (a row says so); with
+--log-dir each run's whole output is kept there as it runs.
 """
 from __future__ import annotations
 
@@ -16,8 +18,11 @@ import datetime
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 from statistics import mean
 
@@ -62,18 +67,67 @@ def parse(stdout: str, warmup: int):
     return out
 
 
-def run(args, seq: int):
+# torch's "CUDA out of memory", the planned allocator's "out of device memory", cuDNN's and
+# cuBLAS's *_STATUS_ALLOC_FAILED
+OOM = re.compile(r"out of (device )?memory|OutOfMemoryError|ALLOC_FAILED", re.IGNORECASE)
+
+
+def run_pretrain(cmd, timeout: float, log_path=None):
+    """(exit code, or None when stopped after `timeout` seconds; everything it printed). The
+    output goes to a file as it runs (`log_path`, or a temporary one): a stopped run keeps it."""
+    with open(log_path, "w+") if log_path else tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+                                env=dict(os.environ, PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1"))
+        try:
+            code = proc.wait(timeout=max(timeout, 1))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # its data-loader workers too
+            proc.wait()
+            code = None
+        log.seek(0)
+        return code, log.read()
+
+
+class Runs:
+    """The runs of one benchmark: each within --timeout, none started after --budget seconds."""
+
+    def __init__(self, args, prefix: str):
+        self.args, self.prefix, self.end = args, prefix, time.monotonic() + args.budget
+        if args.log_dir:
+            os.makedirs(args.log_dir, exist_ok=True)
+
+    def __call__(self, cmd, name: str):
+        """(status: "ok", "out of memory", "timeout", "failed" or "not run (budget)"; the output)."""
+        left = self.end - time.monotonic()
+        if left <= 0:
+            return "not run (budget)", ""
+        log = os.path.join(self.args.log_dir, f"{self.prefix}_{name}.log") if self.args.log_dir else None
+        code, text = run_pretrain(cmd, min(self.args.timeout, left), log)
+        if code == 0:
+            return "ok", text
+        status = "timeout" if code is None else "out of memory" if OOM.search(text) else "failed"
+        if status == "failed":
+            print(text[-3000:], file=sys.stderr, flush=True)
+        return status, text
+
+
+def add_run_limits(p, timeout: float = 540.0) -> None:
+    p.add_argument("--timeout", type=float, default=timeout, help="seconds one run may take")
+    p.add_argument("--budget", type=float, default=float("inf"), help="seconds after which no run starts")
+    p.add_argument("--log-dir", help="keep each run's output here")
+
+
+def run(args, seq: int, runs: Runs):
+    """(metrics or None, full recompute?, command, status): out of memory is retried with it."""
     for recompute in (False, True):
         cmd = command(args, seq, recompute)
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
-                              env=dict(os.environ, PYTHONWARNINGS="ignore"))
-        text = proc.stdout + proc.stderr
-        if proc.returncode == 0:
-            return parse(proc.stdout, args.warmup), recompute, cmd
-        if "out of memory" not in text.lower() or recompute:
-            print(text[-3000:], file=sys.stderr)
-            return None, recompute, cmd
-    return None, True, cmd
+        status, text = runs(cmd, f"{seq}_{'full' if recompute else 'none'}")
+        if status == "ok":
+            res = parse(text, args.warmup)
+            return res, recompute, cmd, status if res else "no iteration after the warm-up"
+        if status != "out of memory":
+            break
+    return None, recompute, cmd, status
 
 
 def shown(cmd) -> str:
@@ -82,9 +136,15 @@ def shown(cmd) -> str:
 
 
 def device_name() -> str:
-    import torch
-
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    """The first visible GPU's name from nvidia-smi: torch would start CUDA in this process and hold
+    a context's memory beside every run."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", visible],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return "CPU"
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "CPU"
 
 
 def main(argv=None):
@@ -95,16 +155,18 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=12)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--no-bf16", dest="bf16", action="store_false")
+    add_run_limits(p)
     p.add_argument("extra", nargs="*", help="more pretrain_gpt.py flags (after --)")
     args = p.parse_args(argv)
+    runs = Runs(args, "gpt")
     print(f"device: {device_name()} | date: {datetime.date.today()} | model: {args.model} | "
           f"{'bf16' if args.bf16 else 'fp32'} | {args.tokens_per_iter} tokens per iteration")
     print("| seq | tokens/s/GPU | TFLOP/s/GPU | MFU | ms/iter | recompute | command |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for seq in args.seq_lengths:
-        res, recompute, cmd = run(args, seq)
+        res, recompute, cmd, status = run(args, seq, runs)
         if res is None:
-            print(f"| {seq} | failed | | | | {'full' if recompute else 'none'} | `{shown(cmd)}` |")
+            print(f"| {seq} | {status} | | | | {'full' if recompute else 'none'} | `{shown(cmd)}` |", flush=True)
             continue
         mfu = f"{res['mfu']:.1f}%" if res["mfu"] is not None else "n/a"
         print(f"| {seq} | {res['tokens']:.0f} | {res['tflops']:.1f} | {mfu} | {res['ms']:.0f} | "

@@ -1,29 +1,34 @@
 """MEMO on one GPU: the longest sequence and its MFU under MEMO, full recomputation and no
 recomputation, and the allocator's fragmentation with and without the planned allocator.
 
-    python tools/benchmark_memo.py                          # 7B-shaped layers, 4 of them, bf16
-    python tools/benchmark_memo.py --seq-lengths 65536 131072 262144 --modes memo full
+    python tools/benchmark_memo.py                          # 7B-shaped layers, 6 of them, bf16
+    python tools/benchmark_memo.py --modes memo --budget 540 --log-dir logs   # one mode per call
 
 The model has Llama-2-7B's layer shape (h 4096, 32 heads, SwiGLU 11008, RMSNorm, RoPE) and
 --num-layers of them, so that parameters and optimizer state fit beside the activations. For every
-mode the sequence lengths are tried in increasing order until one runs out of memory; each run is
-pretrain_gpt.py on mock data, micro-batch 1, --iters iterations of which --warmup are dropped.
-Fragmentation is read from the memory line printed at the end of a run: reserved minus allocated
-and the allocator's retries, for MEMO with torch's caching allocator and with the planned one.
+mode the sequence lengths are tried in increasing order until one runs out of memory (or its time);
+each run is pretrain_gpt.py on mock data, micro-batch 1, --iters iterations of which --warmup are
+dropped. What fits at a length, roughly: 18 bytes of model and optimizer state per parameter (1.5 G
+parameters at 6 layers: 27 GB); logits s x vocab in bf16 and again in fp32 for the loss (25 GB at
+128K and vocabulary 32000); and MEMO keeps the model's last two layers' activations whole, as the
+paper does (about 20 GB each at 128K), so few layers leave MEMO little to manage.
+Fragmentation is read from the memory line printed at the end of a run, whose maxima are the
+training iterations' (set-up excluded): max reserved minus max allocated -- what the allocator held
+beyond the tensors at the peak -- and the allocator's retries, for MEMO with torch's caching
+allocator and with the planned one. MEMO's memory plan is made with the greedy planner (the plan is
+only printed with the caching allocator; a solver's time would be each run's).
 Prints markdown tables with device, date and the exact command of every row.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark_gpt import device_name, parse, shown  # noqa: E402
+from benchmark_gpt import Runs, add_run_limits, device_name, parse, shown  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = ("--swiglu --normalization RMSNorm --position-embedding-type rope --disable-bias-linear "
@@ -35,8 +40,8 @@ SHAPES = {
 MODES = {
     "none": "",
     "full": "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
-    "memo": "--memo --memo-swap-fraction auto --memo-planner gurobi",
-    "memo-planned": "--memo --memo-swap-fraction auto --memo-planner gurobi --memo-allocator planned",
+    "memo": "--memo --memo-swap-fraction auto --memo-planner greedy",
+    "memo-planned": "--memo --memo-swap-fraction auto --memo-planner greedy --memo-allocator planned",
 }
 MEMORY = re.compile(r"memory \(MB\) \| allocated: ([0-9.]+) \| max allocated: ([0-9.]+) \| "
                     r"reserved: ([0-9.]+) \| max reserved: ([0-9.]+) \| alloc retries: (\d+)")
@@ -53,55 +58,53 @@ def command(args, mode: str, seq: int):
     return [sys.executable, str(ROOT / "pretrain_gpt.py")] + flags + args.extra
 
 
-def run(args, mode: str, seq: int):
-    """(metrics or None, out of memory?, fragmentation dict or None, command)."""
+def run(args, mode: str, seq: int, runs: Runs):
+    """(metrics or None, status, fragmentation dict or None, command)."""
     cmd = command(args, mode, seq)
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
-                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
-    text = proc.stdout + proc.stderr
-    if proc.returncode != 0:
-        oom = "out of memory" in text.lower()
-        if not oom:
-            print(text[-3000:], file=sys.stderr)
-        return None, oom, None, cmd
-    ends = MEMORY.findall(proc.stdout)
+    status, text = runs(cmd, f"{mode}_{seq}")
+    if status != "ok":
+        return None, status, None, cmd
+    ends = MEMORY.findall(text)
     frag = None
-    if ends:
-        allocated, _, reserved, max_reserved, retries = ends[-1]
-        frag = {"allocated": float(allocated), "reserved": float(reserved), "max reserved": float(max_reserved),
-                "retries": int(retries)}
-    return parse(proc.stdout, args.warmup), False, frag, cmd
+    if ends:  # the end of the run: its maxima are the training iterations'
+        allocated, max_allocated, reserved, max_reserved, retries = ends[-1]
+        frag = {"allocated": float(allocated), "max allocated": float(max_allocated), "reserved": float(reserved),
+                "max reserved": float(max_reserved), "retries": int(retries)}
+    res = parse(text, args.warmup)
+    return res, "ok" if res else "no iteration after the warm-up", frag, cmd
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="7b")
-    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--num-layers", type=int, default=6)
     p.add_argument("--no-bf16", dest="bf16", action="store_false")
-    p.add_argument("--seq-lengths", type=int, nargs="+", default=[32768, 65536, 131072, 262144, 524288])
+    p.add_argument("--seq-lengths", type=int, nargs="+", default=[16384, 32768, 65536, 131072])
     p.add_argument("--modes", nargs="+", choices=sorted(MODES), default=["none", "full", "memo", "memo-planned"])
     p.add_argument("--iters", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
+    add_run_limits(p)
     p.add_argument("extra", nargs="*", help="more pretrain_gpt.py flags (after --)")
     args = p.parse_args(argv)
+    runs = Runs(args, "memo")
     print(f"device: {device_name()} | date: {datetime.date.today()} | {args.num_layers} layers of {args.shape} shape | "
           f"{'bf16' if args.bf16 else 'fp32'}")
-    print("| mode | seq | MFU | TFLOP/s/GPU | ms/iter | reserved - allocated (MB) | alloc retries | command |")
+    print("| mode | seq | MFU | TFLOP/s/GPU | ms/iter | max reserved - max allocated (MB) | alloc retries | command |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     longest = {}
     for mode in args.modes:
         for seq in sorted(args.seq_lengths):
-            res, oom, frag, cmd = run(args, mode, seq)
+            res, status, frag, cmd = run(args, mode, seq, runs)
             if res is None:
-                print(f"| {mode} | {seq} | {'out of memory' if oom else 'failed'} | | | | | `{shown(cmd)}` |", flush=True)
+                print(f"| {mode} | {seq} | {status} | | | | | `{shown(cmd)}` |", flush=True)
                 break
             longest[mode] = seq
             mfu = f"{res['mfu']:.1f}%" if res["mfu"] is not None else "n/a"
-            gap = f"{frag['reserved'] - frag['allocated']:.0f}" if frag else "n/a"
+            gap = f"{frag['max reserved'] - frag['max allocated']:.0f}" if frag else "n/a"
             retries = frag["retries"] if frag else "n/a"
             print(f"| {mode} | {seq} | {mfu} | {res['tflops']:.1f} | {res['ms']:.0f} | {gap} | {retries} | "
                   f"`{shown(cmd)}` |", flush=True)
-    print()
+    print(flush=True)
     print("| mode | longest sequence that ran |")
     print("| --- | --- |")
     for mode in args.modes:
