@@ -2,10 +2,15 @@
 
     python tools/benchmark_attention.py --seq-lengths 32768 65536 131072 --heads 32 --kv-heads 8
 
-"kernel": the selected AttentionKernel's forward and backward called directly on [b, h, s, d].
-"ours":   LongSeqCoreAttention on megatron-core's [s, b, h, d] layout (layout views, the 2D path at
-          degree 1, the autograd function), without RoPE -- the per-step cost our code adds.
-TFLOP/s counts causal attention as Megatron does: forward 4 b h s^2 d / 2, backward 2.5x forward.
+"kernel": the selected AttentionKernel's forward and backward called directly on [b, h, s, d]
+          views of megatron-core's [s, b, h, d] tensors, as training hands them to it.
+"ours":   LongSeqCoreAttention on those [s, b, h, d] tensors (layout views, the 2D path at degree 1,
+          the autograd function), without RoPE -- the per-step cost our code adds. Its gradients
+          are returned, not accumulated into .grad: training adds none either.
+TFLOP/s counts causal attention as FlashAttention's benchmarks do: forward 4 b h s^2 d / 2,
+backward 2.5x forward (it computes the scores again). Megatron's MFU (flops.py) counts 3x in all:
+its TFLOP/s for the same time are 3/3.5 of these.
+A length that runs out of device memory gets a row saying so; the next one still runs.
 Prints a markdown table with device, date and command.
 
 With --documents MEAN a second table compares a packed sample (log-normal documents of that mean
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import os
 import sys
 import time
@@ -54,15 +60,22 @@ def timed(fn, device, warmup: int, iters: int) -> float:
 
 def attention_flops(b, h, s, d) -> float:
     forward = 4 * b * h * s * s * d / 2
-    return forward * 3.5  # forward + backward (2.5x)
+    return forward * 3.5  # forward + backward (2.5x: FlashAttention's convention)
 
 
 def inputs(seq, args, device, dtype):
+    """megatron-core's layout as training hands it over: q [s, b, h, d], k and v [s, b, g, d]
+    leaves, and dout [s, b, h*d] (the gradient of the layer's output)."""
     b, h, g, d = args.batch, args.heads, args.kv_heads, args.head_dim
-    q = torch.randn(b, h, seq, d, device=device, dtype=dtype)
-    k = torch.randn(b, g, seq, d, device=device, dtype=dtype)
-    v = torch.randn(b, g, seq, d, device=device, dtype=dtype)
-    return q, k, v, torch.randn_like(q)
+    leaves = [torch.randn(seq, b, n, d, device=device, dtype=dtype).requires_grad_() for n in (h, g, g)]
+    return leaves, torch.randn(seq, b, h * d, device=device, dtype=dtype)
+
+
+def kernel_views(leaves, dout):
+    """[s, b, h, d] -> the kernel's [b, h, s, d], views (no copy), dout's too."""
+    q, k, v = (x.detach().permute(1, 2, 0, 3) for x in leaves)
+    seq, b = dout.shape[:2]
+    return q, k, v, dout.view(seq, b, q.shape[1], -1).permute(1, 2, 0, 3)  # [s, b, h*d] -> [b, h, s, d]
 
 
 def core_attention(args, device):
@@ -72,33 +85,28 @@ def core_attention(args, device):
     return LongSeqCoreAttention(config, layer_number=1, attn_mask_type=None).to(device)
 
 
-def megatron_layout(q, k, v, dout):
-    """[b, h, s, d] -> megatron-core's [s, b, h, d] leaves, and dout [s, b, h*d]."""
-    seq, b = q.shape[2], q.shape[0]
-    leaves = [x.permute(2, 0, 1, 3).detach().requires_grad_() for x in (q, k, v)]
-    return leaves, dout.permute(2, 0, 1, 3).reshape(seq, b, -1)
-
-
-def bench(seq, args, device, dtype):
-    b, h, d = args.batch, args.heads, args.head_dim
-    q, k, v, dout = inputs(seq, args, device, dtype)
-    kernel = select_kernel(args.backend, device, dtype, d)
-    scale = default_scale(d, None)
+def steps(seq, args, device, dtype):
+    """(the kernel, its bare forward+backward, ours, the FLOPs of one)."""
+    leaves, dout = inputs(seq, args, device, dtype)
+    q, k, v, dout_k = kernel_views(leaves, dout)
+    kernel = select_kernel(args.backend, device, dtype, args.head_dim)
+    scale = default_scale(args.head_dim, None)
 
     def bare():  # the kernel itself, without even the contract checks
         out, lse = kernel._forward(q, k, v, True, scale)
-        kernel._backward(dout, q, k, v, out, lse, True, scale)
+        kernel._backward(dout_k, q, k, v, out, lse, True, scale)
 
     module = core_attention(args, device)
-    (qs, ks, vs), douts = megatron_layout(q, k, v, dout)
 
     def ours():
-        module(qs, ks, vs, None).backward(douts)
+        torch.autograd.grad(module(*leaves, None), leaves, dout)
 
-    t_kernel = timed(bare, device, args.warmup, args.iters)
-    t_ours = timed(ours, device, args.warmup, args.iters)
-    flops = attention_flops(b, h, seq, d)
-    return kernel.name, t_kernel, t_ours, flops
+    return kernel, bare, ours, attention_flops(args.batch, args.heads, seq, args.head_dim)
+
+
+def bench(seq, args, device, dtype):
+    kernel, bare, ours, flops = steps(seq, args, device, dtype)
+    return kernel.name, timed(bare, device, args.warmup, args.iters), timed(ours, device, args.warmup, args.iters), flops
 
 
 def counted(kernel) -> dict:
@@ -116,12 +124,13 @@ def bench_packed(seq, args, device, dtype):
     """(unpacked ms, packed ms, causal work left, calls of one packed forward, layout+plan ms)."""
     g = torch.Generator().manual_seed(0)
     starts = torch.stack([lognormal_starts(seq, args.documents, 1.0, g) for _ in range(args.batch)])
-    leaves, douts = megatron_layout(*inputs(seq, args, device, dtype))
+    leaves, dout = inputs(seq, args, device, dtype)
     module = core_attention(args, device)
     params = AttentionInputs(document_starts=starts)
-    t_unpacked = timed(lambda: module(*leaves, None).backward(douts), device, args.warmup, args.iters)
-    t_packed = timed(lambda: module(*leaves, None, packed_seq_params=params).backward(douts), device,
-                     max(args.warmup, 1), args.iters)  # the first call makes the layout and plans
+    t_unpacked = timed(lambda: torch.autograd.grad(module(*leaves, None), leaves, dout), device, args.warmup,
+                       args.iters)
+    t_packed = timed(lambda: torch.autograd.grad(module(*leaves, None, packed_seq_params=params), leaves, dout),
+                     device, max(args.warmup, 1), args.iters)  # the first call makes the layout and plans
     calls = counted(module._kernel)
     module(*leaves, None, packed_seq_params=params)
     work = sum(causal_work(s, torch.arange(seq)) for s in starts) / (args.batch * seq * (seq + 1) / 2)
@@ -138,13 +147,29 @@ def layout_seconds(starts, kernel, q, device) -> float:
     return time.perf_counter() - start
 
 
+def out_of_memory_row(measure, seq, args, device, dtype):
+    """measure(...)'s result, or None with a row saying the length ran out of memory (freed)."""
+    try:
+        return measure(seq, args, device, dtype)
+    except torch.OutOfMemoryError:
+        pass  # the frames holding the tensors are gone once out of this handler
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    print(f"| {seq} | out of memory |", flush=True)
+    return None
+
+
 def packed_table(args, device, dtype) -> None:
     print(f"\npacked samples: log-normal documents, mean {args.documents:g} tokens (sigma 1)")
     print("| seq | unpacked fwd+bwd ms | packed fwd+bwd ms | packed / unpacked | causal work left | "
           "kernel calls per forward | layout + plans ms |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for seq in args.seq_lengths:
-        tu, tp, work, calls, layout = bench_packed(seq, args, device, dtype)
+        measured = out_of_memory_row(bench_packed, seq, args, device, dtype)
+        if measured is None:
+            continue
+        tu, tp, work, calls, layout = measured
         print(f"| {seq} | {tu * 1e3:.2f} | {tp * 1e3:.2f} | {tp / tu:.3f} | {work:.3f} | "
               f"{calls['varlen']} varlen, {calls['dense']} dense | {layout * 1e3:.1f} |", flush=True)
 
@@ -172,7 +197,10 @@ def main(argv=None):
     print("| seq | kernel | kernel fwd+bwd ms | ours fwd+bwd ms | overhead | kernel TFLOP/s | ours TFLOP/s |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for seq in args.seq_lengths:
-        kname, tk, to, flops = bench(seq, args, device, dtype)
+        measured = out_of_memory_row(bench, seq, args, device, dtype)
+        if measured is None:
+            continue
+        kname, tk, to, flops = measured
         print(f"| {seq} | {kname} | {tk * 1e3:.2f} | {to * 1e3:.2f} | {100 * (to - tk) / tk:+.1f}% | "
               f"{flops / tk / 1e12:.2f} | {flops / to / 1e12:.2f} |", flush=True)
     if args.documents:

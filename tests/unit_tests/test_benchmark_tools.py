@@ -2,9 +2,13 @@
 kept, out-of-memory told apart from failures, and the numbers read from what the trainer prints."""
 import sys
 import time
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from megatron.training import metrics
 from tools import benchmark_gpt, benchmark_memo
@@ -70,3 +74,48 @@ def test_fragmentation_is_read_at_the_peak_of_the_training_iterations(monkeypatc
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| memo | 1024 |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[2:7] == ["40.0%", "400.0", "2000", "8000", "2"], row  # iteration 2 only; 60000 - 52000
+
+
+class _QSized(TorchDispatchMode):
+    """The operators that make a tensor at least as large as q, views left out."""
+    VIEWS = {"permute", "view", "alias", "detach", "expand", "as_strided", "_unsafe_view", "t", "transpose"}
+
+    def __init__(self, numel):
+        super().__init__()
+        self.numel, self.ops = numel, Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        big = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.numel() >= self.numel]
+        if big and name not in self.VIEWS:
+            self.ops[name] += 1
+        return out
+
+
+def test_our_attention_step_adds_no_tensor_of_q_size_to_the_bare_kernels():
+    """tools/benchmark_attention.py's "ours" against "kernel": both on megatron-core's [s, b, h, d]
+    tensors as training hands them over, so the difference is our code's -- which makes no copy of
+    q, k, v, out or dout and accumulates no gradient (views only, GQA's k and v not repeated)."""
+    from tools.benchmark_attention import steps
+
+    args = SimpleNamespace(batch=2, heads=4, kv_heads=2, head_dim=16, backend="auto")
+    kernel, bare, ours, _ = steps(256, args, torch.device("cpu"), torch.float32)
+    counts = []
+    for step in (bare, ours, ours):  # the second "ours": no gradient accumulated into the first's
+        with _QSized(256 * 2 * 2 * 16) as seen:  # k's size: a repeated k or v would show
+            step()
+        counts.append(seen.ops)
+    assert counts[0] and counts[1] == counts[2] == counts[0], (kernel.name, counts)
+
+
+def test_a_length_out_of_memory_gets_its_row_and_the_next_one_runs(capsys):
+    from tools.benchmark_attention import out_of_memory_row
+
+    def measure(seq, *rest):
+        if seq > 100:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return seq
+    device = torch.device("cpu")
+    assert [out_of_memory_row(measure, s, None, device, None) for s in (200, 50)] == [None, 50]
+    assert capsys.readouterr().out == "| 200 | out of memory |\n"
