@@ -1,6 +1,6 @@
 """Plan MEMO's memory offline and draw the plan.
 
-    # profile a model (pretrain_gpt.py's model flags, one CPU rank) and plan it
+    # profile a model (pretrain_gpt.py's model flags, one rank; on the GPU where there is one) and plan it
     python tools/plan_memory.py --out plan.json --png plan.png --planner cpsat -- \\
         --num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 1024 \\
         --hidden-dropout 0 --memo --memo-swap-fraction 0.5
@@ -41,15 +41,11 @@ def with_training_defaults(flags):
 
 
 def profile_model(model_flags, save_trace=None) -> Trace:
-    """One micro-batch of the model on one CPU rank under the allocation tracer."""
-    import torch
-
+    """One micro-batch of the model on one rank under the allocation tracer (CPU) or torch's
+    allocator history (on a GPU machine, unless the flags say --distributed-backend gloo): the
+    trace is of the device the plan is for."""
     import pretrain_gpt
-    from megatron.longseq.memo.profiler import trace_iteration
-    from megatron.training.data import random_batches
-    from megatron.training.initialize import initialize_distributed
-    from megatron.training.memo_setup import wrap_model
-    from megatron.training.model import unwrap
+    from megatron.training.initialize import device_of, initialize_distributed
     from megatron.training.tokenizer import build_tokenizer
     from megatron.training.training import parse_and_validate, setup
     from megatron.training.validate import padded_vocab_size
@@ -58,19 +54,28 @@ def profile_model(model_flags, save_trace=None) -> Trace:
     args = parse_and_validate(with_training_defaults(model_flags))
     pgs = initialize_distributed(args)
     args.padded_vocab_size = padded_vocab_size(build_tokenizer(args).vocab_size, args.make_vocab_size_divisible_by, 1)
-    state = setup(args, pgs, pretrain_gpt.model_provider)
+    trace = profile_state(setup(args, pgs, pretrain_gpt.model_provider), args, pgs, device_of(args))
+    if save_trace:
+        trace.save(save_trace)
+    return trace
+
+
+def profile_state(state, args, pgs, device) -> Trace:
+    """The trace of one micro-batch of the set-up run `state`, on `device` (model, batch, MEMO)."""
+    from megatron.longseq.memo.profiler import trace_iteration
+    from megatron.training.data import random_batches, to_device
+    from megatron.training.memo_setup import wrap_model
+    from megatron.training.model import unwrap
+
     model = unwrap(state.model)[0]
     layers = list(model.decoder.layers)
     if args.memo:  # as the trainer: the last two layers keep their activations and get no window
         alpha = 0.5 if args.memo_swap_fraction == "auto" else float(args.memo_swap_fraction)
-        memo, layers = wrap_model(state, alpha, torch.device("cpu"))
-    batch = next(random_batches(args, pgs, seed=12345))
+        memo, layers = wrap_model(state, alpha, device)
+    batch = to_device(next(random_batches(args, pgs, seed=12345)), device)
     if args.memo:  # a measured iteration sizes the rounding buffers and the host pool
         memo.calibrate(lambda: _loss(model, batch).backward())
-    trace = trace_iteration(lambda: _loss(model, batch).backward(), layers, torch.device("cpu"))
-    if save_trace:
-        trace.save(save_trace)
-    return trace
+    return trace_iteration(lambda: _loss(model, batch).backward(), layers, device)
 
 
 def _loss(model, batch):

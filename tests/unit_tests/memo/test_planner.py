@@ -181,6 +181,29 @@ def test_bilevel_plan_of_real_layer_traces(alpha):
     assert summary["level2"]["seconds"] < 60
 
 
+def test_plan_memory_profiles_on_the_device_it_is_given(monkeypatch):
+    """tools/plan_memory.py on a GPU machine: the model is built on the GPU (the backend decides
+    the device), so the batch, MEMO and the trace must be there too -- a CPU batch crashed the
+    first forward, and a CPU MEMO kept every device tensor whole (nothing managed). Here a device
+    object of its own stands for the GPU, and each of them must get exactly it."""
+    from megatron.longseq.memo import profiler
+    from megatron.training import data, memo_setup
+    from megatron.training.model import build_model_chunks
+    from megatron.training.training import setup
+    from tools import plan_memory
+
+    init_single_rank_world()
+    args = tiny_args("--num-layers 4 --memo --memo-swap-fraction 0.5")
+    pgs = grid_groups()
+    state = setup(args, pgs, lambda a, p, d: build_model_chunks(a, p, d))
+    device, seen = torch.device("cpu", 0), []
+    for module, name in ((data, "to_device"), (memo_setup, "wrap_model"), (profiler, "trace_iteration")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name: seen.append((_name, a[-1])) or _real(*a))
+    trace = plan_memory.profile_state(state, args, pgs, device)
+    assert trace.windows() and seen == [("wrap_model", device), ("to_device", device), ("trace_iteration", device)]
+
+
 def test_plan_memory_tool_profiles_plans_and_draws(tmp_path):
     """tools/plan_memory.py (its own process: it builds its own world) on a model given by its
     model flags only (training-only flags default to one step of mock data), then on the trace it
