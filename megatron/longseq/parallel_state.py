@@ -20,8 +20,10 @@ Everything here except `build_process_groups` is pure arithmetic, tested without
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Dict, List, Optional, Tuple
 
 import torch.distributed as dist
@@ -226,8 +228,9 @@ class ProcessGroups:
         return self.members[axis].index(self.rank)
 
 
-def build_process_groups(grid: RankGrid) -> ProcessGroups:
-    """Create every group of `grid` (collective: all ranks call it in the same order).
+def build_process_groups(grid: RankGrid, timeout_minutes: int = 10) -> ProcessGroups:
+    """Create every group of `grid` (collective: all ranks call it in the same order), each with
+    the run's collective timeout (torch gives a new group its backend's default, not the world's).
 
     Also initialises megatron-core's parallel_state with the same tp/cp/pp sizes and checks that
     its groups are ours, so megatron-core modules that read its globals agree with us."""
@@ -243,19 +246,21 @@ def build_process_groups(grid: RankGrid) -> ProcessGroups:
         order=ORDERS[grid.order],
         create_gloo_process_groups=False,
         num_distributed_optimizer_instances=grid.instances,
+        distributed_timeout_minutes=timeout_minutes,
     )
     pgs = ProcessGroups(grid=grid, rank=rank)
+    new_group = functools.partial(dist.new_group, timeout=timedelta(minutes=timeout_minutes))
     aliases = grid.aliases()
     for name, group_list in grid.all_groups().items():
         for members in group_list if name not in aliases else ():
             # new_group is collective over the world even for groups this rank is not in.
-            handle = dist.new_group(members)
+            handle = new_group(members)
             if rank in members:
                 pgs.groups[name], pgs.members[name] = handle, members
     for name, same in aliases.items():
         pgs.groups[name], pgs.members[name] = pgs.groups[same], pgs.members[same]
     _check_against_megatron(pgs, mpu)
-    _build_pipeline_links(grid, pgs, rank)
+    _build_pipeline_links(grid, pgs, rank, new_group)
     return pgs
 
 
@@ -273,16 +278,16 @@ def pipeline_links(grid: RankGrid) -> List[Tuple[str, int, int]]:
     return links
 
 
-def _build_pipeline_links(grid: RankGrid, pgs: ProcessGroups, rank: int) -> None:
+def _build_pipeline_links(grid: RankGrid, pgs: ProcessGroups, rank: int, new_group) -> None:
     pgs.links = {}
     for purpose, src, dst in pipeline_links(grid):
-        handle = dist.new_group([src, dst]) if src != dst else None
+        handle = new_group([src, dst]) if src != dst else None
         if rank in (src, dst):
             pgs.links[(purpose, src, dst)] = handle
     # The embedding group: first and last stage of each pipeline (tied word embeddings).
     for members in grid.groups_along(("pp",)):
         ends = sorted({members[0], members[-1]})
-        handle = dist.new_group(ends) if len(ends) > 1 else None
+        handle = new_group(ends) if len(ends) > 1 else None
         if rank in ends:
             pgs.groups["embd"], pgs.members["embd"] = handle, ends
 

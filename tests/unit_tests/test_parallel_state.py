@@ -3,7 +3,7 @@ import itertools
 import pytest
 import torch.distributed as dist
 
-from megatron.longseq.parallel_state import GridError, RankGrid
+from megatron.longseq.parallel_state import GridError, RankGrid, build_process_groups
 from tests.unit_tests.dist_utils import grid_groups, run_ranks
 
 
@@ -114,3 +114,27 @@ def _check_groups_match_megatron():
 
 def test_process_groups_agree_with_megatron_core_on_4_ranks():
     run_ranks(_check_groups_match_megatron, 4)
+
+
+def _check_every_group_takes_the_runs_timeout():
+    from datetime import timedelta
+
+    import torch
+    from megatron.core import parallel_state as mpu
+
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    pgs = build_process_groups(RankGrid(world_size=2, pp=2), timeout_minutes=77)
+    handles = [g for g in (*pgs.groups.values(), *pgs.links.values()) if g is not None]
+    handles += [mpu.get_pipeline_model_parallel_group(), mpu.get_tensor_model_parallel_group(),
+                mpu.get_context_parallel_group()]
+    assert pgs.links and len(handles) > 8
+    for group in handles:
+        assert group._get_backend(torch.device("cpu")).options._timeout == timedelta(minutes=77)
+
+
+def test_every_group_takes_the_runs_timeout():
+    """--distributed-timeout-minutes for every group of the grid, the pipeline links and
+    megatron-core's: torch gives a new group its backend's default (NCCL: 10 minutes), not the
+    world's, so raising the flag changed nothing for the traffic of training."""
+    run_ranks(_check_every_group_takes_the_runs_timeout, 2)
