@@ -11,7 +11,8 @@ cd "$(dirname "$0")/.."
 # One hardware queue: a tensor-parallel all-gather / reduce-scatter launched before the GEMM it
 # overlaps is scheduled first (megatron-core's advice for tp > 1 and sequence parallel)
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
-GPUS=${GPUS:-$(nvidia-smi -L | wc -l)}
+# the GPUs this process may use (nvidia-smi -L ignores CUDA_VISIBLE_DEVICES and lists MIG slices)
+GPUS=${GPUS:-$(python3 -c "import torch; print(torch.cuda.device_count())")}
 SEQ=${SEQ:-8192}
 ITERS=${ITERS:-1000}
 WARMUP=${WARMUP:-$((ITERS / 10))}
@@ -23,7 +24,8 @@ if [ -n "${DATA:-}" ]; then
 else
     DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size 50257)
 fi
-exec torchrun --nproc-per-node "$GPUS" pretrain_gpt.py \
+# --standalone: a rendezvous on a free port of its own, so two jobs can share a node
+exec torchrun --standalone --nproc-per-node "$GPUS" pretrain_gpt.py \
     --num-layers 24 --hidden-size 2048 --num-attention-heads 16 \
     --seq-length "$SEQ" --max-position-embeddings "$SEQ" --position-embedding-type rope \
     --micro-batch-size 1 --global-batch-size $((GPUS * 8)) \

@@ -43,4 +43,6 @@ REPORT_GRACE_S = 30.0
 
 
 def _is_first_process() -> bool:
-    return os.environ.get("RANK", "0") == "0" and os.environ.get("SLURM_PROCID", "0") == "0"
+    """The launcher's rank 0: torchrun's RANK where it is set (under srun, torchrun numbers nodes
+    by hostname, not in Slurm's order), else Slurm's task id."""
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"

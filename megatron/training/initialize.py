@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.longseq.parallel_state import ProcessGroups, RankGrid, build_process_groups
+from megatron.training.arguments import ArgsError
 from megatron.longseq.random import seed_everything
 
 
@@ -18,6 +19,7 @@ class LaunchEnv:
     rank: int
     world_size: int
     local_rank: int
+    launcher: str = "torchrun"  # "torchrun", "srun" (one task per rank) or "none"
 
 
 def launch_env() -> LaunchEnv:
@@ -27,8 +29,8 @@ def launch_env() -> LaunchEnv:
         return LaunchEnv(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
     if "SLURM_PROCID" in os.environ:
         return LaunchEnv(int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"]),
-                         int(os.environ.get("SLURM_LOCALID", 0)))
-    return LaunchEnv(0, 1, 0)
+                         int(os.environ.get("SLURM_LOCALID", 0)), "srun")
+    return LaunchEnv(0, 1, 0, "none")
 
 
 def _free_port() -> int:
@@ -68,7 +70,19 @@ def _claim_gpu(args, env: LaunchEnv) -> None:
         from megatron.longseq.memo.allocator import install
 
         install()
-    torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+    torch.cuda.set_device(gpu_index(env, torch.cuda.device_count()))
+
+
+def gpu_index(env: LaunchEnv, visible: int) -> int:
+    """This rank's GPU among the `visible` ones: its local rank, or the one GPU a task sees of its
+    own (srun --gpus-per-task=1, no torchrun). More local ranks than GPUs is refused: NCCL would
+    find two ranks on one GPU at the first collective, far from the cause."""
+    if visible == 1 and env.launcher == "srun":
+        return 0
+    if env.local_rank >= visible:
+        raise ArgsError(f"local rank {env.local_rank} but {visible} GPU(s) visible to this process: start at "
+                        f"most one process per GPU (torchrun --nproc-per-node, srun --gpus-per-task)")
+    return env.local_rank
 
 
 def _deterministic(args):

@@ -81,6 +81,40 @@ def test_planned_allocator_is_installed_before_cuda_starts(monkeypatch):
     assert calls == ["install", "set_device"]
 
 
+@pytest.mark.parametrize("launcher, local_rank, visible, index", [
+    ("torchrun", 3, 8, 3), ("srun", 3, 1, 0), ("srun", 3, 8, 3), ("torchrun", 0, 1, 0),
+    ("torchrun", 1, 1, None), ("torchrun", 4, 4, None), ("srun", 8, 4, None),
+])
+def test_each_rank_gets_a_gpu_of_its_own_or_a_one_line_error(launcher, local_rank, visible, index):
+    """One GPU per rank: the local rank's, or the one a Slurm task sees of its own. More local ranks
+    than GPUs (CUDA_VISIBLE_DEVICES narrower than --nproc-per-node, say) used to wrap around onto
+    a GPU another rank holds: NCCL's "Duplicate GPU detected" at the first collective."""
+    from megatron.training.arguments import ArgsError
+
+    env = initialize.LaunchEnv(local_rank, 16, local_rank, launcher)
+    if index is None:
+        with pytest.raises(ArgsError, match=f"local rank {local_rank} but {visible} GPU"):
+            initialize.gpu_index(env, visible)
+    else:
+        assert initialize.gpu_index(env, visible) == index
+
+
+@pytest.mark.parametrize("environ, first", [
+    ({"RANK": "0", "SLURM_PROCID": "1"}, True), ({"RANK": "8", "SLURM_PROCID": "0"}, False),
+    ({"SLURM_PROCID": "0"}, True), ({"SLURM_PROCID": "3"}, False), ({}, True),
+])
+def test_the_launchers_rank_0_reports_a_bad_command_line(monkeypatch, environ, first):
+    """Under srun + torchrun, torchrun numbers the nodes by hostname, so its rank 0 may run on
+    Slurm's task 1: requiring both made no process print the one-line error."""
+    from megatron.training import bad_input
+
+    for name in ("RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    assert bad_input._is_first_process() == first
+
+
 # ---- memory lines ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("planned", [False, True])
