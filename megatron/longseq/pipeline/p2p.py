@@ -6,7 +6,9 @@ messages in exactly the order the sender's schedule sends them (computed from th
 next one's receive posted ahead as soon as that is safe (Inbox), keeping early arrivals until their
 operation runs. The shapes come from the segment lengths, known on both sides. This is deadlock-
 free whenever the schedules' dependencies are (simulate.py), on gloo and NCCL alike (connect_links
-sets up NCCL's pairs first), and a device-wide synchronize on one rank cannot hang it (Inbox).
+sets up NCCL's pairs first), and a device-wide synchronize on one rank cannot hang it (Inbox) --
+on NCCL for interleaved groups of the pipeline's size only: with larger ones a send queued behind an
+unmatched send of its link can close a cycle (validate refuses them there).
 """
 from __future__ import annotations
 

@@ -58,6 +58,22 @@ def test_the_backend_decides_the_device_on_a_gpu_machine(monkeypatch):
     assert args_for(world=4).global_batch_size == 8  # default: micro batch x dp
 
 
+def test_interleaved_groups_larger_than_the_pipeline_are_refused_on_nccl(monkeypatch):
+    """A model of NCCL's queues finds a deadlock for every such group (see validate.py);
+    gloo runs them, and groups of exactly the pipeline size run on both."""
+    pipeline = ("--pipeline-model-parallel-size 2 --num-layers 4 --num-layers-per-virtual-pipeline-stage 1 "
+                "--attention-dropout 0 --micro-batch-size 1 --global-batch-size 8 ")
+    larger = pipeline + "--microbatch-group-size-per-virtual-pipeline-stage 2 --pipe-sp-splits 2"
+    assert args_for(larger, world=2).pipeline_group_units == 4
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert error_of(larger, world=2) == (
+        "--microbatch-group-size-per-virtual-pipeline-stage 2 makes interleaved groups of 4 units (x 2 segments), "
+        "more than the pipeline size 2: on NCCL that schedule can deadlock; leave the flag out (groups of 2 units)")
+    exact = args_for(pipeline + "--microbatch-group-size-per-virtual-pipeline-stage 2", world=2)
+    assert exact.pipeline_group_units == 2
+    assert args_for(pipeline + "--pipe-sp-splits 2", world=2).pipeline_group_units is None
+
+
 def test_padded_vocab_matches_megatron():
     assert padded_vocab_size(50257, 128, 1) == 50304
     assert padded_vocab_size(50257, 128, 8) == 51200
