@@ -5,19 +5,22 @@ Segment s attends to the keys/values of segments < s (kept here, detached: each 
 autograd graph). Its backward computes those earlier keys' and values' gradients and adds them
 here; the partially ordered queue runs segment s's backward before any earlier one's (LIFO), so by
 the time segment j's backward runs its gradient sum is complete and it takes it. Exact gradients.
+Segment j's keys and values are read by later segments only, forward and backward: they are let go
+at segment j's backward (every later one's is over), and the last segment's are never kept.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 
 class SegmentState:
-    def __init__(self):
-        self.kv: Dict[int, List[Tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
+    def __init__(self, segments: int = 0):
+        self.segments = segments  # how many the micro-batch has (0: not said, every one is kept)
+        self.kv: Dict[int, List[Optional[Tuple[torch.Tensor, torch.Tensor]]]] = defaultdict(list)
         self.grads: Dict[Tuple[int, int], torch.Tensor] = {}
 
     def release(self) -> None:
@@ -41,6 +44,8 @@ class SegmentSlot:
 
     def keep(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         kept = self.state.kv[layer]
+        if self.index == self.state.segments - 1:  # the last segment: no later one reads it
+            return
         if len(kept) == self.index:  # a recompute of this segment finds it kept already
             kept.append((k, v))
 
@@ -49,7 +54,12 @@ class SegmentSlot:
         self.state.grads[key] = dkv if key not in self.state.grads else self.state.grads[key] + dkv
 
     def take_grad(self, layer: int):
+        """This segment's keys' and values' gradients from the later segments, whose backwards are
+        over: its keys and values are let go (all of the layer's at segment 0, the last backward)."""
         grad = self.state.grads.pop((layer, self.index), None)
-        if self.index == 0:  # the micro-batch's last backward in this layer: free its keys/values
+        kept = self.state.kv[layer]
+        if self.index == 0:
             self.state.kv.pop(layer, None)
+        elif self.index < len(kept):
+            kept[self.index] = None
         return grad

@@ -171,7 +171,7 @@ class _Runner:
             whole = (DOCUMENT_STARTS, SEGMENT_LENGTHS)
             self.segments[self.read] = [{key: val if key in whole else val[:, a:b].contiguous()
                                          for key, val in batch.items()} for a, b in zip(bounds, bounds[1:])]
-            self.tokens[self.read], self.states[self.read] = tokens, SegmentState()
+            self.tokens[self.read], self.states[self.read] = tokens, SegmentState(len(tokens))
             self.read += 1
 
     def _segment(self, m: int, s: int) -> dict:

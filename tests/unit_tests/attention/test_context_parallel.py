@@ -171,15 +171,18 @@ def _segments_match_whole_sequence(hp, ring, lengths):
     cp = ContextParallel.from_process_groups(pgs)
     attn = LongSeqCoreAttention(config(heads, groups, d=D), layer_number=1, attn_mask_type=None, cp=cp)
     attn._kernel = kernel = ContractKernel()
-    state, runs, offset = SegmentState(), [], 0
+    state, runs, offset = SegmentState(len(lengths)), [], 0
     for s, n in enumerate(lengths):
         idx = offset + local_token_indices(n, cp.hp_size, cp.ring.size, cp.hp_index, cp.ring.ring_index)
         offset += n
         leaves = [x[idx].clone().requires_grad_() for x in (q, k, v)]
         params = AttentionInputs(position_ids=positions[:, idx], segment=SegmentSlot(state, s))
         runs.append((idx, leaves, attn(*leaves, None, packed_seq_params=params)))
-    for idx, leaves, out in reversed(runs):  # LIFO: later segments first
+    kept = lambda: [entry is not None for entry in state.kv[1]]  # noqa: E731
+    assert len(lengths) == 1 or kept() == [True] * (len(lengths) - 1)  # no later segment reads the last's
+    for s, (idx, leaves, out) in reversed(list(enumerate(runs))):  # LIFO: later segments first
         out.backward(dout[idx])
+        assert s == 0 or kept() == [True] * s + [False] * (len(lengths) - 1 - s)  # read by later ones only
     for idx, leaves, out in runs:
         torch.testing.assert_close(out.detach().double(), ref[idx], atol=ATOL_OUT, rtol=0)
         for got, want in zip((x.grad for x in leaves), (dq, dk, dv)):
