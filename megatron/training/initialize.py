@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from megatron.longseq.parallel_state import ProcessGroups, RankGrid, build_process_groups
-from megatron.training.arguments import ArgsError
 from megatron.longseq.random import seed_everything
+from megatron.training.arguments import ArgsError
 
 
 @dataclass

@@ -59,8 +59,8 @@ def test_the_backend_decides_the_device_on_a_gpu_machine(monkeypatch):
 
 
 def test_interleaved_groups_larger_than_the_pipeline_are_refused_on_nccl(monkeypatch):
-    """A model of NCCL's queues finds a deadlock for every such group (see validate.py);
-    gloo runs them, and groups of exactly the pipeline size run on both."""
+    """A model of NCCL's queues finds deadlocks for such groups (see validate.py); gloo runs
+    them, and groups of exactly the pipeline size run on both."""
     pipeline = ("--pipeline-model-parallel-size 2 --num-layers 4 --num-layers-per-virtual-pipeline-stage 1 "
                 "--attention-dropout 0 --micro-batch-size 1 --global-batch-size 8 ")
     larger = pipeline + "--microbatch-group-size-per-virtual-pipeline-stage 2 --pipe-sp-splits 2"
