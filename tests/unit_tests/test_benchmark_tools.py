@@ -3,6 +3,7 @@ kept, out-of-memory told apart from failures, and the numbers read from what the
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -30,13 +31,18 @@ def _limits(tmp_path, timeout=60.0, budget=float("inf")):
 
 
 def test_a_run_past_its_time_is_stopped_and_its_output_kept(tmp_path):
+    """The whole process group goes: a data-loader worker left behind would hold the GPU."""
     runs = benchmark_gpt.Runs(_limits(tmp_path, timeout=2), "gpt")
-    child = "import subprocess, sys, time; print('started', flush=True); " \
-            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); time.sleep(120)"
+    child = "import subprocess, sys, time; " \
+            "w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); " \
+            "print('started', w.pid, flush=True); time.sleep(120)"
     start = time.monotonic()
     status, text = runs([sys.executable, "-c", child], "slow")
     assert status == "timeout" and "started" in text and time.monotonic() - start < 30
     assert (tmp_path / "gpt_slow.log").read_text() == text
+    worker = Path(f"/proc/{text.split()[1]}/status")
+    time.sleep(0.5)  # the kill is delivered; an orphan is reaped by init, or left a zombie
+    assert not worker.exists() or "State:\tZ" in worker.read_text()
 
 
 def test_no_run_starts_past_the_budget_and_failures_are_named(tmp_path):
