@@ -161,6 +161,13 @@ def current_region() -> Optional[CheckpointRegion]:
     return _REGION
 
 
+def saved_tensors_dropped() -> bool:
+    """Whether autograd lets go of what the forward running now saves: grad off (an evaluation,
+    a custom Function's forward -- MEMO's kept attention -- or a reentrant recompute) or inside
+    a recompute region (saved tensors are recomputed, not kept)."""
+    return not torch.is_grad_enabled() or _REGION is not None
+
+
 @contextlib.contextmanager
 def _in_region(region: CheckpointRegion, phase: str):
     global _REGION

@@ -30,6 +30,7 @@ from megatron.longseq.attention.documents import Piece
 from megatron.longseq.attention.kernels import AttentionKernel, grad_like
 from megatron.longseq.attention.ledger import LEDGER
 from megatron.longseq.attention.route import Route
+from megatron.longseq.random import saved_tensors_dropped
 
 CAUSAL, KV_FIRST, Q_SECOND, FULL = "causal", "kv-first", "q-second", "full"
 
@@ -399,8 +400,6 @@ class _RingAttention(torch.autograd.Function):
                 out, lse = ring_forward(q, k_j, v_j, rc, kernel, scale, layer, _blocks(documents, q, k_j, index, j),
                                         out, lse, _route(documents, rc, index, j))
             out = out.to(q.dtype)
-        if segment is not None:
-            segment.keep(layer, k.detach(), v.detach())
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (rc, kernel, scale, layer, segment, documents)
         ctx.mark_non_differentiable(lse)
@@ -433,4 +432,10 @@ def ring_attention(q, k, v, rc: RingContext, kernel, scale, layer=None, cached=N
     """(out, lse) of causal attention of this rank's queries over the whole ring's keys (and the
     earlier segments' keys), within packed documents when `documents` is given. `cached` =
     (out, lse) from an earlier forward skips the computation (Selective Checkpoint++)."""
-    return _RingAttention.apply(q, k, v, rc, kernel, scale, layer, cached, segment, documents)
+    out, lse = _RingAttention.apply(q, k, v, rc, kernel, scale, layer, cached, segment, documents)
+    if segment is not None:
+        # Under recompute or MEMO nothing else keeps this forward's tensors, and a view -- v is a
+        # slice of the fused qkv projection -- would keep its whole storage to the segment's
+        # backward. Otherwise the backward keeps k and v anyway: views cost nothing.
+        segment.keep(layer, k.detach(), v.detach(), own=saved_tensors_dropped())
+    return out, lse

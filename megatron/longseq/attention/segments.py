@@ -42,12 +42,14 @@ class SegmentSlot:
                                f"was forwarded")
         return kept[: self.index]
 
-    def keep(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def keep(self, layer: int, k: torch.Tensor, v: torch.Tensor, own: bool = False) -> None:
+        """Keep this segment's keys and values for the later ones: as given, or with `own` as
+        tensors of their own (a view of a larger tensor would keep all of it alive)."""
         kept = self.state.kv[layer]
         if self.index == self.state.segments - 1:  # the last segment: no later one reads it
             return
         if len(kept) == self.index:  # a recompute of this segment finds it kept already
-            kept.append((k, v))
+            kept.append((_own(k), _own(v)) if own else (k, v))
 
     def add_grad(self, layer: int, segment: int, dkv: torch.Tensor) -> None:
         key = (layer, segment)
@@ -63,3 +65,13 @@ class SegmentSlot:
         elif self.index < len(kept):
             kept[self.index] = None
         return grad
+
+
+def _own(x: torch.Tensor) -> torch.Tensor:
+    """x alone when its storage holds more, laid out in memory in x's dimension order (the kernels
+    get the same strides as from x: [b, h, s, d] views of [s, b, h, d] memory)."""
+    if x.untyped_storage().nbytes() <= x.numel() * x.element_size():
+        return x
+    order = sorted(range(x.dim()), key=lambda d: -x.stride(d))  # outermost in memory first
+    back = sorted(range(x.dim()), key=order.__getitem__)  # the inverse permutation
+    return x.permute(order).contiguous().permute(back)

@@ -19,6 +19,7 @@ from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+from torch.autograd.graph import get_gradient_edge
 
 from megatron.core.utils import get_model_config
 from megatron.longseq.attention.placement import DOCUMENT_STARTS, SEGMENT_LENGTHS
@@ -119,7 +120,7 @@ class _Runner:
         self.tokens: Dict[int, List[int]] = {}  # this rank's tokens of each segment, per micro-batch
         self.read = 0  # micro-batches read so far
         self.states: Dict[int, SegmentState] = {}
-        self.stored: Dict[tuple, tuple] = {}
+        self.stored: Dict[tuple, tuple] = {}  # unit -> (its input, its output's gradient edge)
         self.losses: Dict[int, Dict[int, tuple]] = {}
         self.reports: List[dict] = []
         self.total_tokens = 0
@@ -203,7 +204,11 @@ class _Runner:
         else:
             self.outbox["act"].send(output)
         if not self.forward_only:
-            self.stored[(c, m, s)] = (inp, output)
+            # Only where the output's gradient enters the graph is kept, not the output: its values
+            # are the next stage's, and holding them to this unit's backward would keep one
+            # [segment tokens, b, h] per unit in flight (P units on stage 0 under 1F1B) after the
+            # send is done. The last stage's backward starts from the loss.
+            self.stored[(c, m, s)] = (inp, None if vs == self.last_vs else get_gradient_edge(output))
 
     def _unit_event(self, name: str, unit: tuple) -> None:
         if self.pipe.unit_hooks is not None:
@@ -235,7 +240,7 @@ class _Runner:
     def backward(self, op: Op, last_of_chunk: bool) -> None:
         c, (m, s) = op.chunk, op.unit
         vs = c * self.p + self.pipe.rank
-        inp, output = self.stored.pop((c, m, s))
+        inp, edge = self.stored.pop((c, m, s))
         no_sync = self.config.no_sync_func if (self.config.no_sync_func and not last_of_chunk) else contextlib.nullcontext
         self._unit_event("backward_begins", (c, m, s))
         grad = None if vs == self.last_vs else self.inbox["grad"].get((c, m, s))
@@ -246,7 +251,7 @@ class _Runner:
                 scale = getattr(self.config, "grad_scale_func", None)  # --fp16: megatron-core's loss-scale hook
                 torch.autograd.backward(scale(loss) if scale is not None else loss)
             else:
-                torch.autograd.backward(output, grad_tensors=grad)
+                torch.autograd.backward(edge, grad_tensors=grad)
         if vs > 0:
             self.outbox["grad"].send(inp.grad)
         if self.meter is not None:

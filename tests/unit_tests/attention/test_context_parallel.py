@@ -12,7 +12,7 @@ from megatron.longseq.attention.segments import SegmentSlot, SegmentState
 from megatron.longseq.random import checkpoint
 from tests.unit_tests.attention.contract_kernel import ContractKernel
 from tests.unit_tests.attention.test_core_attention import config, reference
-from tests.unit_tests.dist_utils import grid_groups, run_ranks
+from tests.unit_tests.dist_utils import grid_groups, init_single_rank_world, run_ranks
 
 S, B, D = 32, 2, 8
 
@@ -204,3 +204,30 @@ def _all_segment_cases(world):
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_seq1f1b_segments_give_whole_sequence_attention_and_gradients(world):
     run_ranks(_all_segment_cases, world, world)
+
+
+@pytest.mark.parametrize("mode", ["grad-off", "recompute", "grad-on"])
+def test_seq1f1b_cache_keeps_no_fused_projection_alive(mode):
+    """Where autograd lets go of the forward's tensors (grad off, as in MEMO's kept attention, or
+    inside a recompute region) the cache keeps k and v as tensors of their own -- slices of the
+    fused qkv projection would keep all of it to the segment's backward -- laid out as given
+    ([s, b, h, d] memory). Grad on, no recompute: views, which the backward keeps anyway."""
+    init_single_rank_world()
+    heads, groups = 4, 2
+    attn = LongSeqCoreAttention(config(heads, groups, d=D, rope=False), layer_number=1, attn_mask_type=None,
+                                cp=ContextParallel.from_process_groups(grid_groups()))
+    fused = torch.randn(S, B, heads + 2 * groups, D, requires_grad=mode != "grad-off")  # [s, b, hq + 2 hkv, d]
+    state = SegmentState(2)
+    params = AttentionInputs(position_ids=torch.arange(S).expand(B, S), segment=SegmentSlot(state, 0))
+
+    def forward(x):
+        q, k, v = x.split([heads, groups, groups], dim=2)
+        return attn(q, k, v, None, packed_seq_params=params)
+
+    with torch.set_grad_enabled(mode != "grad-off"):
+        forward(fused) if mode != "recompute" else checkpoint(forward, fused)
+    views = mode == "grad-on"
+    for kept, given in zip(state.kv[1][0], fused.detach().split([heads, groups, groups], dim=2)[1:]):
+        assert (kept.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()) == views
+        torch.testing.assert_close(kept, given.permute(1, 2, 0, 3), atol=0, rtol=0)  # [b, h, s, d] views
+        assert views or kept.permute(2, 0, 1, 3).is_contiguous()

@@ -2,6 +2,8 @@
 (2 micro-batches) are the same for pp 2 and 4, Seq1F1B splits 1/2/4 (average and uniform_comp),
 interleaved or not (chunk groups of the pipeline size or larger), combined with tensor parallel 2 and context parallel 2, and with MEMO's
 token-wise swap/recompute at several alphas."""
+import weakref
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -98,7 +100,9 @@ def _run_all(cases, ref_path):
 
 CASES = {
     1: ["--pipe-sp-splits 4", "--pipe-sp-splits 4 --pipe-sp-strategy uniform_comp",
-        "--pipe-sp-splits 4 --memo --memo-swap-fraction 0.5"],
+        "--pipe-sp-splits 4 --memo --memo-swap-fraction 0.5",
+        # the segments' key/value cache filled with grad off: copies, not views of the fused qkv
+        "--pipe-sp-splits 4 --recompute-granularity full --recompute-method uniform --recompute-num-layers 2"],
     2: ["--pipeline-model-parallel-size 2",
         "--pipeline-model-parallel-size 2 --pipe-sp-splits 2 --pipe-sp-strategy uniform_comp",
         "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2 --pipe-sp-splits 2",
@@ -155,3 +159,30 @@ def _memory_follows_the_schedule(p):
 @pytest.mark.parametrize("p", [2, 4])
 def test_measured_peak_activation_falls_with_splits_as_the_schedule_says(p):
     run_ranks(_memory_follows_the_schedule, p, p)
+
+
+def _outputs_let_go():
+    """A stage keeps no sent output to its backward: every earlier forward's output object is gone
+    when the next forward starts (the send's own buffer aside, which the link frees when the send is
+    done), and the gradients that flow back through the kept edges are checked by the layout test."""
+    import pretrain_gpt
+
+    args = tiny_args(f"{MODEL} --pipeline-model-parallel-size 2 --pipe-sp-splits 2 --global-batch-size 8", world_size=2)
+    pgs = grid_groups(pp=2)
+    state = setup(args, pgs, lambda a, p, d: build_model_chunks(a, p, d))
+    outputs = []
+
+    def step(data_iterator, model):
+        assert all(ref() is None for ref in outputs), "a sent output outlived its forward"
+        output, loss_func = pretrain_gpt.forward_step(data_iterator, model)
+        outputs.append(weakref.ref(output))
+        return output, loss_func
+
+    forward_backward_seq1f1b(forward_step_func=step, data_iterator=random_batches(args, pgs, seed=0),
+                             model=state.model, num_microbatches=args.num_microbatches,
+                             micro_batch_size=args.micro_batch_size, p2p_communicator=state.pipeline)
+    assert len(outputs) == args.num_microbatches * 2
+
+
+def test_a_stage_keeps_no_sent_output_to_its_backward():
+    run_ranks(_outputs_let_go, 2)
