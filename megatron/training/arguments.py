@@ -286,6 +286,13 @@ def _training(p):
                         "unfused/local: the fp32 reference. The log names the kernel that ran.")
     g.add_argument("--deterministic-mode", action="store_true")
     g.add_argument("--exit-interval", type=int)
+    g.add_argument("--exit-duration-in-mins", type=float,
+                   help="save (with --save) and stop after the first iteration ending this many minutes after "
+                        "launch (set it below the job's time limit by more than an iteration and a save)")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on --exit-signal, finish the iteration, save (with --save) and stop")
+    g.add_argument("--exit-signal", choices=["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"], default="SIGTERM",
+                   help="the signal --exit-signal-handler catches (Slurm: #SBATCH --signal=USR1@300 with SIGUSR1)")
     g.add_argument("--manual-gc", action="store_true",
                    help="turn Python's automatic garbage collector off, so that no rank pauses at its own moment; "
                         "collect at the start, every --manual-gc-interval iterations and around evaluations")

@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.utils import get_model_config
-from megatron.longseq.collectives import all_gather_values
 from megatron.longseq.attention.kernels import KernelEnv, choose_kernel
 from megatron.longseq.attention.ledger import LEDGER
 from megatron.longseq.pipeline.p2p import connect_links
@@ -28,15 +27,15 @@ from megatron.training.checkpointing import (
     carry_model_card, check_args, checkpoint_format, latest_checkpoint, load_checkpoint, recorded_args,
     save_checkpoint)
 from megatron.training.data import build_loader, train_valid_test_num_samples
+from megatron.training.exits import ExitWatch
 from megatron.training.distributed import GradBuffer
-from megatron.training.flops import default_peak_tflops, num_floating_point_operations
 from megatron.training.initialize import device_of, initialize_distributed
-from megatron.training.metrics import (IntervalStats, TensorboardLogger, format_iteration_line, memory_line,
-                                       print_rank_0, print_rank_last, reset_memory_peaks)
+from megatron.training.metrics import TensorboardLogger, memory_line, print_rank_0, print_rank_last, reset_memory_peaks
 from megatron.training.memo_setup import setup_memo
 from megatron.training.loss_scaler import loss_scaler
 from megatron.training.model import fusions, params_dtype, unwrap
 from megatron.training.optimizer import DistributedAdam
+from megatron.training.reporting import Reporter
 from megatron.training.rerun import Injector, Replay, RerunMachine, loss_checks, this_device
 from megatron.training.timers import Timers
 from megatron.training.tokenizer import build_tokenizer
@@ -52,6 +51,7 @@ class TrainState:
     memo: object = None
     saver: Optional[dist_ckpt.CheckpointSaver] = None  # torch_dist saves (one may be in flight)
     rerun: Optional[RerunMachine] = None
+    exits: Optional[ExitWatch] = None
     iteration: int = 0
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0
@@ -304,96 +304,6 @@ def evaluate_and_print(name, forward_step_func, data_iterator, state, args, pgs,
     print_rank_last(f"{rule}\n{line}\n{rule}")
 
 
-class _Reporter:
-    """Everything logged between iterations: the line, memory once, timers, tensorboard."""
-
-    TIMERS = ("forward-backward", "optimizer")
-
-    def __init__(self, args, pgs, timers, tb):
-        self.args, self.pgs, self.timers, self.tb = args, pgs, timers, tb
-        self.stats = IntervalStats()
-        self.memory_reported = False
-        self.flops_per_iter = num_floating_point_operations(args, args.global_batch_size)
-        self.peak = args.peak_tflops if args.peak_tflops is not None else default_peak_tflops()
-        self.last = time.perf_counter()
-        self.first_interval = True
-
-    def iteration(self, state: TrainState, losses, grad_norm, num_zeros, skipped: bool):
-        args = self.args
-        self.stats.add(losses, skipped=skipped)
-        loss_scale = state.optimizer.loss_scale
-        lr = state.optimizer.param_groups[0]["lr"]
-        params_norm = state.optimizer.last_params_norm  # taken in the step (--log-params-norm)
-        if state.iteration % args.tensorboard_log_interval == 0:
-            values = {"learning-rate": lr, "batch-size": args.global_batch_size, "loss-scale": loss_scale,
-                      "grad-norm": grad_norm, "num-zeros": num_zeros, "params-norm": params_norm, **losses}
-            self.tb.scalars(values, state.iteration, state.consumed_train_samples)
-            if args.log_memory_to_tensorboard:
-                self.tb.memory(state.iteration)
-        if state.iteration % args.log_interval == 0:
-            self._log_line(state, lr, grad_norm, num_zeros, params_norm, loss_scale)
-
-    def _log_line(self, state, lr, grad_norm, num_zeros, params_norm, loss_scale):
-        args, now = self.args, time.perf_counter()
-        elapsed = (now - self.last) / self.stats.iterations
-        self.last = now
-        extra = {}
-        if args.log_throughput:
-            tflops = self.flops_per_iter / (elapsed * 1e12 * args.world_size)
-            extra = {"tflops": tflops, "mfu": tflops / self.peak if self.peak else None,
-                     "tokens_per_gpu": args.global_batch_size * args.seq_length / elapsed / args.world_size}
-        # Megatron: timings go to tensorboard only when asked, and not for the run's first
-        # interval (it holds the start-up)
-        if args.log_timers_to_tensorboard and not self.first_interval:
-            self.tb.scalars({"iteration-time": elapsed, **({"throughput": extra["tflops"]} if extra else {})},
-                            state.iteration, state.consumed_train_samples)
-        self.first_interval = False
-        print_rank_last(format_iteration_line(
-            iteration=state.iteration, train_iters=args.train_iters,
-            consumed_samples=state.consumed_train_samples, elapsed_ms=elapsed * 1000.0, lr=lr,
-            global_batch_size=args.global_batch_size, losses=self.stats.means(), grad_norm=grad_norm,
-            num_zeros=num_zeros, params_norm=params_norm, skipped=self.stats.skipped, nan=self.stats.nan,
-            loss_scale=loss_scale, **extra,
-        ))
-        self.stats = IntervalStats()
-        if not self.memory_reported:
-            print_rank_0(memory_line(state.iteration))
-            print_rank_0(attention_kernel_line(state.model, args.attention_backend))
-            self.memory_reported = True
-        if args.timing_log_level >= 1:
-            print_rank_0(pipeline_memory_line(state.pipeline, self.pgs))
-            if state.memo is not None:
-                self._memo(state.memo)
-        self._timers(state.iteration)
-
-    def _memo(self, memo):
-        mib = 2**20
-        s = memo.stats
-        print_rank_0(f"MEMO: offloaded {s['offloaded_bytes'] / mib / self.args.log_interval:.1f} MiB and recomputed "
-                     f"{s['recomputed_tokens'] // self.args.log_interval} tokens per iteration; peak host memory "
-                     f"{s['peak_host_bytes'] / mib:.1f} MiB")
-        memo.reset_stats()
-        if memo.allocator is not None:
-            a = memo.allocator.stats()
-            print_rank_0(f"MEMO planned allocator: {a['planned_allocs']} planned allocations "
-                         f"({a['planned_bytes'] / mib:.1f} MiB), {a['marks_matched']} window marks matched, "
-                         f"{a['divergences']} divergences ({a['overlap_refusals']} overlap refusals); "
-                         f"reserved {a['backend_bytes'] / mib:.1f} MiB, allocated {a['allocated_bytes'] / mib:.1f} MiB, "
-                         f"cached {a['cached_free_bytes'] / mib:.1f} MiB, retries {a['retries']}")
-
-    def _timers(self, iteration):
-        if self.args.timing_log_level >= 2:
-            print_rank_0(LEDGER.format(iterations=self.args.log_interval))
-        LEDGER.clear()
-        times = self.timers.pop_min_max(list(self.TIMERS))
-        if not times:
-            return
-        lines = [f"    {name} {'.' * (40 - len(name))}: ({lo:.2f}, {hi:.2f})" for name, (lo, hi) in times.items()]
-        print_rank_0("(min, max) time across ranks (ms):\n" + "\n".join(lines))
-        if self.args.log_timers_to_tensorboard:
-            self.tb.scalars({f"{n}-time": hi for n, (_, hi) in times.items()}, iteration)
-
-
 def check_attention_kernel(args) -> None:
     """One line now, not at the first forward, when --attention-backend names a kernel that cannot
     run here (flash-attn of another interface, cuDNN attention under --deterministic-mode, ...)."""
@@ -403,18 +313,6 @@ def check_attention_kernel(args) -> None:
         raise ArgsError(f"--attention-backend {args.attention_backend}: {err}") from None
 
 
-def attention_kernel_line(chunks, backend: str) -> str:
-    """The local attention kernel(s) this rank's layers ran (torch-sdpa: document masks, dropout)."""
-    ran = sorted({m.kernel_ran for c in chunks for m in c.modules() if getattr(m, "kernel_ran", None)})
-    return f"attention kernel: {', '.join(ran) or 'none ran'} (--attention-backend {backend})"
-
-
-def pipeline_memory_line(pipeline: Pipeline, pgs) -> str:
-    """Measured peak of saved activations, per pipeline stage (gathered over the pp group)."""
-    peaks = all_gather_values([pipeline.stats.get("peak_activation_bytes", 0)], pgs.pp)
-    return "peak saved activations per pipeline stage (MB): " + " ".join(f"{p[0] / 2**20:.1f}" for p in peaks)
-
-
 def _collect_garbage(args, iteration: int) -> None:
     """--manual-gc: the automatic collector is off; collect every --manual-gc-interval iterations."""
     if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
@@ -422,11 +320,11 @@ def _collect_garbage(args, iteration: int) -> None:
 
 
 def train(forward_step_func, train_iter, valid_iter, state: TrainState, args, pgs, timers, tb) -> bool:
-    """The loop. Returns True when --exit-interval stopped it."""
+    """The loop. Returns True when an exit condition (exits.py) stopped it."""
     if args.manual_gc:  # every rank collects at the same iterations, not when its own counts say
         gc.disable()
         gc.collect()
-    reporter = _Reporter(args, pgs, timers, tb)
+    reporter = Reporter(args, pgs, timers, tb)
     _train_mode(state.model, True)
     reset_memory_peaks()
     while state.iteration < args.train_iters:
@@ -453,10 +351,11 @@ def train(forward_step_func, train_iter, valid_iter, state: TrainState, args, pg
         if args.save and args.save_interval and state.iteration % args.save_interval == 0:
             save_and_report(args, state, pgs)
             saved = True
-        if args.exit_interval and state.iteration % args.exit_interval == 0:
+        stop = state.exits.reason(state.iteration)
+        if stop:
             if args.save and not saved:
                 save_and_report(args, state, pgs)
-            print_rank_0(f"exiting program at iteration {state.iteration}")
+            print_rank_0(f"exiting program {stop}")
             return True
     print_rank_0(memory_line(state.iteration))  # the end state: fragmentation has had time to build up
     return False
@@ -544,6 +443,8 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     args = parse_and_validate(argv, extra_args_provider)
     _say(f"> initializing torch distributed ({args.distributed_backend}) ...")
     pgs = initialize_distributed(args)
+    exits = ExitWatch(args, start)
+    exits.install()  # a signal during the set-up stops the run after its first iteration
     check_attention_kernel(args)
     tokenizer = build_tokenizer(args)
     # A model's table may be wider than its tokenizer (Qwen2's 151936 rows for 151665 ids): with a
@@ -559,6 +460,7 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     _print_args(args)
     print_rank_0("> building GPT model, gradient buffer, optimizer and LR schedule ...")
     state = setup(args, pgs, model_provider)
+    state.exits = exits
     if args.memo:
         state.memo = setup_memo(args, pgs, state, forward_step_func, device_of(args))
     if args.load:
@@ -585,6 +487,7 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
             state.saver.finish(blocking=True)  # the run ends when its last checkpoint is complete
     finally:
         tb.close()
+        exits.uninstall()
     dist.barrier()
     dist.destroy_process_group()
 

@@ -480,8 +480,9 @@ def _checkpoint_args(args):
              f"--verify-integrity needs --ckpt-format torch_dist (got {args.ckpt_format})")
     _require(not args.async_save or args.ckpt_format == "torch_dist",
              f"--async-save needs --ckpt-format torch_dist (got {args.ckpt_format})")
-    if args.exit_interval is not None:
-        _require(args.exit_interval > 0, "--exit-interval must be positive")
+    for flag in ("exit_interval", "exit_duration_in_mins"):
+        value = getattr(args, flag)
+        _require(value is None or value > 0, f"--{flag.replace('_', '-')} must be positive")
     converting = args.ckpt_convert_format is not None
     _require(converting == (args.ckpt_convert_save is not None),
              "--ckpt-convert-format and --ckpt-convert-save go together")

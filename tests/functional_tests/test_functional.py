@@ -119,6 +119,35 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(runs, tmp_path):
     assert {"learning-rate", "grad-norm", "iteration-time", "loss-scale"} <= set(events.Tags()["scalars"])
 
 
+def test_a_signal_to_one_rank_saves_stops_every_rank_and_resumes_exactly(runs, tmp_path):
+    """--exit-signal-handler --exit-signal SIGUSR1, the signal sent to rank 1 alone during iteration
+    7 (2 ranks, distributed optimizer): both ranks finish 7, save it, and exit 0; the resumed run
+    prints the uninterrupted run's losses."""
+    case = BY_NAME["gpt_base_dp2_distopt_overlap"]
+    ckpt = str(tmp_path / "ckpt")
+    cmd = command(case, ["--save", ckpt, "--save-interval", "5", "--exit-signal-handler", "--exit-signal", "SIGUSR1"],
+                  None)
+    at = cmd.index(str(ROOT / "pretrain_gpt.py"))
+    cmd[at : at + 1] = [str(ROOT / "tests" / "functional_tests" / "signal_at.py"), "SIGUSR1", "7", "1"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env=dict(child_env(), OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "exiting program on SIGUSR1 at iteration 7" in proc.stdout
+    assert (tmp_path / "ckpt" / TRACKER).read_text() == "7"
+    resumed = run_case(case, runs.workdir, ["--load", ckpt])
+    assert sorted(resumed) == list(range(8, TRAIN_ITERS + 1))
+    full = runs(case.name)
+    assert {s: full[s] for s in resumed} == resumed
+
+
+def test_exit_duration_saves_and_stops_after_the_iteration_that_passes_it(runs, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    curve = run_case(BY_NAME["gpt_base"], runs.workdir, ["--save", ckpt, "--exit-duration-in-mins", "0.0001"])
+    assert sorted(curve) == [1]  # the start-up alone takes longer than 6 ms
+    assert "exiting program after 0.0001 minutes (--exit-duration-in-mins) at iteration 1" in curve.log
+    assert (tmp_path / "ckpt" / TRACKER).read_text() == "1"
+
+
 def test_two_optimizer_instances_save_one_copy_and_resume_exactly(runs, tmp_path):
     """--num-distributed-optimizer-instances 2 on 4 ranks, torch format: one distrib_optim.pt in
     Megatron's layout (the optimizer state gathered whole), the run resumed from iteration 10

@@ -152,6 +152,9 @@ def test_padded_vocab_matches_megatron():
     ("--memo --hidden-dropout 0 --memo-plan /no/plan.json --pipeline-model-parallel-size 2 --num-layers 4", 2,
      "--memo-plan: cannot read /no/plan.stage0.json"),  # pipelined: one plan per stage
     ("--memo-allocator planned", 1, "--memo-allocator planned needs --memo"),
+    ("--exit-duration-in-mins 0", 1, "--exit-duration-in-mins must be positive"),
+    ("--exit-interval -1", 1, "--exit-interval must be positive"),
+    ("--exit-signal-handler --exit-signal SIGKILL", 1, "--exit-signal: invalid choice: 'SIGKILL'"),
     pytest.param("--memo --hidden-dropout 0 --memo-allocator planned", 1, "--memo-allocator planned needs a CUDA device",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="valid where a CUDA device is visible")),
 ])

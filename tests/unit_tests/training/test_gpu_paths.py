@@ -16,7 +16,7 @@ from megatron.training import initialize, memo_setup
 from megatron.training.distributed import GradBuffer
 from megatron.training.model import transformer_config
 from megatron.training.timers import Timers
-from megatron.training.training import pipeline_memory_line
+from megatron.training.reporting import pipeline_memory_line
 from tests.unit_tests.dist_utils import grid_groups, init_single_rank_world, run_ranks
 from tests.unit_tests.model_utils import tiny_args
 

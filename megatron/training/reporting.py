@@ -1,0 +1,113 @@
+"""What the training loop logs between iterations: Megatron's iteration line, memory and the
+attention kernel once, timers, MEMO's counters and tensorboard scalars."""
+from __future__ import annotations
+
+import time
+
+from megatron.longseq.attention.ledger import LEDGER
+from megatron.longseq.collectives import all_gather_values
+from megatron.longseq.pipeline.seq1f1b import Pipeline
+from megatron.training.flops import default_peak_tflops, num_floating_point_operations
+from megatron.training.metrics import IntervalStats, format_iteration_line, memory_line, print_rank_0, print_rank_last
+
+
+class Reporter:
+    """Everything logged between iterations: the line, memory once, timers, tensorboard."""
+
+    TIMERS = ("forward-backward", "optimizer")
+
+    def __init__(self, args, pgs, timers, tb):
+        self.args, self.pgs, self.timers, self.tb = args, pgs, timers, tb
+        self.stats = IntervalStats()
+        self.memory_reported = False
+        self.flops_per_iter = num_floating_point_operations(args, args.global_batch_size)
+        self.peak = args.peak_tflops if args.peak_tflops is not None else default_peak_tflops()
+        self.last = time.perf_counter()
+        self.first_interval = True
+
+    def iteration(self, state, losses, grad_norm, num_zeros, skipped: bool):
+        args = self.args
+        self.stats.add(losses, skipped=skipped)
+        loss_scale = state.optimizer.loss_scale
+        lr = state.optimizer.param_groups[0]["lr"]
+        params_norm = state.optimizer.last_params_norm  # taken in the step (--log-params-norm)
+        if state.iteration % args.tensorboard_log_interval == 0:
+            values = {"learning-rate": lr, "batch-size": args.global_batch_size, "loss-scale": loss_scale,
+                      "grad-norm": grad_norm, "num-zeros": num_zeros, "params-norm": params_norm, **losses}
+            self.tb.scalars(values, state.iteration, state.consumed_train_samples)
+            if args.log_memory_to_tensorboard:
+                self.tb.memory(state.iteration)
+        if state.iteration % args.log_interval == 0:
+            self._log_line(state, lr, grad_norm, num_zeros, params_norm, loss_scale)
+
+    def _log_line(self, state, lr, grad_norm, num_zeros, params_norm, loss_scale):
+        args, now = self.args, time.perf_counter()
+        elapsed = (now - self.last) / self.stats.iterations
+        self.last = now
+        extra = {}
+        if args.log_throughput:
+            tflops = self.flops_per_iter / (elapsed * 1e12 * args.world_size)
+            extra = {"tflops": tflops, "mfu": tflops / self.peak if self.peak else None,
+                     "tokens_per_gpu": args.global_batch_size * args.seq_length / elapsed / args.world_size}
+        # Megatron: timings go to tensorboard only when asked, and not for the run's first
+        # interval (it holds the start-up)
+        if args.log_timers_to_tensorboard and not self.first_interval:
+            self.tb.scalars({"iteration-time": elapsed, **({"throughput": extra["tflops"]} if extra else {})},
+                            state.iteration, state.consumed_train_samples)
+        self.first_interval = False
+        print_rank_last(format_iteration_line(
+            iteration=state.iteration, train_iters=args.train_iters,
+            consumed_samples=state.consumed_train_samples, elapsed_ms=elapsed * 1000.0, lr=lr,
+            global_batch_size=args.global_batch_size, losses=self.stats.means(), grad_norm=grad_norm,
+            num_zeros=num_zeros, params_norm=params_norm, skipped=self.stats.skipped, nan=self.stats.nan,
+            loss_scale=loss_scale, **extra,
+        ))
+        self.stats = IntervalStats()
+        if not self.memory_reported:
+            print_rank_0(memory_line(state.iteration))
+            print_rank_0(attention_kernel_line(state.model, args.attention_backend))
+            self.memory_reported = True
+        if args.timing_log_level >= 1:
+            print_rank_0(pipeline_memory_line(state.pipeline, self.pgs))
+            if state.memo is not None:
+                self._memo(state.memo)
+        self._timers(state.iteration)
+
+    def _memo(self, memo):
+        mib = 2**20
+        s = memo.stats
+        print_rank_0(f"MEMO: offloaded {s['offloaded_bytes'] / mib / self.args.log_interval:.1f} MiB and recomputed "
+                     f"{s['recomputed_tokens'] // self.args.log_interval} tokens per iteration; peak host memory "
+                     f"{s['peak_host_bytes'] / mib:.1f} MiB")
+        memo.reset_stats()
+        if memo.allocator is not None:
+            a = memo.allocator.stats()
+            print_rank_0(f"MEMO planned allocator: {a['planned_allocs']} planned allocations "
+                         f"({a['planned_bytes'] / mib:.1f} MiB), {a['marks_matched']} window marks matched, "
+                         f"{a['divergences']} divergences ({a['overlap_refusals']} overlap refusals); "
+                         f"reserved {a['backend_bytes'] / mib:.1f} MiB, allocated {a['allocated_bytes'] / mib:.1f} MiB, "
+                         f"cached {a['cached_free_bytes'] / mib:.1f} MiB, retries {a['retries']}")
+
+    def _timers(self, iteration):
+        if self.args.timing_log_level >= 2:
+            print_rank_0(LEDGER.format(iterations=self.args.log_interval))
+        LEDGER.clear()
+        times = self.timers.pop_min_max(list(self.TIMERS))
+        if not times:
+            return
+        lines = [f"    {name} {'.' * (40 - len(name))}: ({lo:.2f}, {hi:.2f})" for name, (lo, hi) in times.items()]
+        print_rank_0("(min, max) time across ranks (ms):\n" + "\n".join(lines))
+        if self.args.log_timers_to_tensorboard:
+            self.tb.scalars({f"{n}-time": hi for n, (_, hi) in times.items()}, iteration)
+
+
+def attention_kernel_line(chunks, backend: str) -> str:
+    """The local attention kernel(s) this rank's layers ran (torch-sdpa: document masks, dropout)."""
+    ran = sorted({m.kernel_ran for c in chunks for m in c.modules() if getattr(m, "kernel_ran", None)})
+    return f"attention kernel: {', '.join(ran) or 'none ran'} (--attention-backend {backend})"
+
+
+def pipeline_memory_line(pipeline: Pipeline, pgs) -> str:
+    """Measured peak of saved activations, per pipeline stage (gathered over the pp group)."""
+    peaks = all_gather_values([pipeline.stats.get("peak_activation_bytes", 0)], pgs.pp)
+    return "peak saved activations per pipeline stage (MB): " + " ".join(f"{p[0] / 2**20:.1f}" for p in peaks)
