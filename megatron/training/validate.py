@@ -242,10 +242,9 @@ def _pipeline_args(args):
                                      "schedule (--num-layers-per-virtual-pipeline-stage)")
     # groups hold whole micro-batches' segments; plan.check refuses a group smaller than the pipeline
     args.pipeline_group_units = group * k if group is not None else None
-    # A model of NCCL's queues (a send completes once its receive runs; each link runs its sends in
-    # order and has one receive posted) finds cycles for groups larger than the pipeline, and none
-    # for groups of its size, when the streams share one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1)
-    # or a device syncs; gloo's sends progress on threads of their own.
+    # A model of NCCL's queues run on the executor's own issue order (test_nccl_queues.py) finds a
+    # hang for groups larger than the pipeline, and none for groups of its size, when the streams
+    # share one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1); gloo's sends progress on threads.
     if args.device_type == "cuda" and group is not None:
         _require(group * k <= p, f"--microbatch-group-size-per-virtual-pipeline-stage {group} makes interleaved "
                                  f"groups of {group * k} units (x {k} segments), more than the pipeline size {p}: "

@@ -8,7 +8,8 @@ operation runs. The shapes come from the segment lengths, known on both sides. T
 free whenever the schedules' dependencies are (simulate.py), on gloo and NCCL alike (connect_links
 sets up NCCL's pairs first), and a device-wide synchronize on one rank cannot hang it (Inbox) --
 on NCCL for interleaved groups of the pipeline's size only: with larger ones a send queued behind an
-unmatched send of its link can close a cycle (validate refuses them there).
+unmatched send of its link can close a cycle (validate refuses them there). A model of NCCL's
+queues run on this issue order checks both claims (tests/unit_tests/pipeline/test_nccl_queues.py).
 """
 from __future__ import annotations
 
