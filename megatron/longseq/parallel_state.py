@@ -228,9 +228,10 @@ class ProcessGroups:
         return self.members[axis].index(self.rank)
 
 
-def build_process_groups(grid: RankGrid, timeout_minutes: int = 10) -> ProcessGroups:
+def build_process_groups(grid: RankGrid, timeout_minutes: int = 10, interleaved: bool = True) -> ProcessGroups:
     """Create every group of `grid` (collective: all ranks call it in the same order), each with
-    the run's collective timeout (torch gives a new group its backend's default, not the world's).
+    the run's collective timeout (torch gives a new group its backend's default, not the world's);
+    the pipeline's links from the last stage back to the first only for an interleaved schedule.
 
     Also initialises megatron-core's parallel_state with the same tp/cp/pp sizes and checks that
     its groups are ours, so megatron-core modules that read its globals agree with us."""
@@ -260,27 +261,28 @@ def build_process_groups(grid: RankGrid, timeout_minutes: int = 10) -> ProcessGr
     for name, same in aliases.items():
         pgs.groups[name], pgs.members[name] = pgs.groups[same], pgs.members[same]
     _check_against_megatron(pgs, mpu)
-    _build_pipeline_links(grid, pgs, rank, new_group)
+    _build_pipeline_links(grid, pgs, rank, new_group, interleaved)
     return pgs
 
 
-def pipeline_links(grid: RankGrid) -> List[Tuple[str, int, int]]:
+def pipeline_links(grid: RankGrid, interleaved: bool) -> List[Tuple[str, int, int]]:
     """Directional pipeline links (purpose, sender, receiver) in creation order: activations flow
-    from stage i to i+1 (and from the last back to the first for interleaving), gradients the other
-    way. Each gets its own group, so each group carries one direction of one kind of message."""
+    from stage i to i+1 (and, interleaved, from the last back to the first), gradients the other
+    way. Each gets its own group, so each group carries one direction of one kind of message; a
+    link no message takes would still cost an NCCL communicator once connected."""
     links = []
     for members in grid.groups_along(("pp",)):
         p = len(members)
-        for i in range(p if p > 1 else 0):
+        for i in range(0 if p == 1 else p if interleaved else p - 1):
             nxt = members[(i + 1) % p]
             links.append(("act", members[i], nxt))
             links.append(("grad", nxt, members[i]))
     return links
 
 
-def _build_pipeline_links(grid: RankGrid, pgs: ProcessGroups, rank: int, new_group) -> None:
+def _build_pipeline_links(grid: RankGrid, pgs: ProcessGroups, rank: int, new_group, interleaved: bool) -> None:
     pgs.links = {}
-    for purpose, src, dst in pipeline_links(grid):
+    for purpose, src, dst in pipeline_links(grid, interleaved):
         handle = new_group([src, dst]) if src != dst else None
         if rank in (src, dst):
             pgs.links[(purpose, src, dst)] = handle

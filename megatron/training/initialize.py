@@ -57,7 +57,7 @@ def initialize_distributed(args) -> ProcessGroups:
                     pp=args.pipeline_model_parallel_size, cp=args.context_parallel_size,
                     hp=args.head_parallel_size, inner_ring=args.cp_inner_ring_size, placement=args.cp_placement,
                     order=rank_order(args), instances=args.num_distributed_optimizer_instances)
-    pgs = build_process_groups(grid, args.distributed_timeout_minutes)
+    pgs = build_process_groups(grid, args.distributed_timeout_minutes, args.virtual_pipeline_chunks > 1)
     # Megatron: the same seed on every tp rank of a stage, a different one per pipeline stage.
     seed_everything(args.seed + 100 * pgs.index("pp"), pgs.index("tp"), device_of(args))
     return pgs

@@ -3,7 +3,7 @@ import itertools
 import pytest
 import torch.distributed as dist
 
-from megatron.longseq.parallel_state import GridError, RankGrid, build_process_groups
+from megatron.longseq.parallel_state import GridError, RankGrid, build_process_groups, pipeline_links
 from tests.unit_tests.dist_utils import grid_groups, run_ranks
 
 
@@ -138,3 +138,19 @@ def test_every_group_takes_the_runs_timeout():
     megatron-core's: torch gives a new group its backend's default (NCCL: 10 minutes), not the
     world's, so raising the flag changed nothing for the traffic of training."""
     run_ranks(_check_every_group_takes_the_runs_timeout, 2)
+
+
+@pytest.mark.parametrize("pp, v", [(2, 1), (4, 1), (2, 2), (4, 3)])
+def test_pipeline_links_are_those_the_schedule_sends_on(pp, v):
+    """One link per (purpose, sender, receiver) that the schedule sends a message on, and no
+    other: an unused one would still hold an NCCL communicator once connected."""
+    from megatron.longseq.pipeline.p2p import sent_messages
+    from megatron.longseq.pipeline.seq1f1b import _stage_ops
+
+    grid = RankGrid(world_size=pp, pp=pp)
+    ops = _stage_ops(pp, 2 * pp, 2, v, None, False)
+    used = {(purpose, stage, (stage + (1 if purpose == "act" else -1)) % pp)
+            for stage in range(pp) for purpose in ("act", "grad")
+            if sent_messages(ops[stage], pp, stage, v, purpose)}
+    links = pipeline_links(grid, interleaved=v > 1)
+    assert len(links) == len(set(links)) and set(links) == used

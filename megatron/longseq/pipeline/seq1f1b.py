@@ -143,9 +143,10 @@ class _Runner:
         for purpose, src, dst in (("act", prv, me), ("grad", nxt, me)):
             sender = pipe.members.index(src)
             points = receive_points(ops[sender], needs[sender], self.p, sender, self.v, purpose)
-            inbox[purpose] = Inbox(pipe.links[(purpose, src, dst)], src, iter(points), self._shape, dtype, device)
-        outbox["act"] = Outbox(pipe.links[("act", me, nxt)], nxt, "act")
-        outbox["grad"] = Outbox(pipe.links[("grad", me, prv)], prv, "grad")
+            # a link no message takes (last -> first without interleaving) may not exist
+            inbox[purpose] = Inbox(pipe.links.get((purpose, src, dst)), src, iter(points), self._shape, dtype, device)
+        outbox["act"] = Outbox(pipe.links.get(("act", me, nxt)), nxt, "act")
+        outbox["grad"] = Outbox(pipe.links.get(("grad", me, prv)), prv, "grad")
         return inbox, outbox
 
     def _ops(self) -> List[List[Op]]:
