@@ -171,7 +171,7 @@ class _Runner:
             for n in tokens:
                 bounds.append(bounds[-1] + n)
             whole = (DOCUMENT_STARTS, SEGMENT_LENGTHS)
-            self.segments[self.read] = [{key: val if key in whole else val[:, a:b].contiguous()
+            self.segments[self.read] = [{key: val if key in whole else _columns(val, a, b)
                                          for key, val in batch.items()} for a, b in zip(bounds, bounds[1:])]
             self.tokens[self.read], self.states[self.read] = tokens, SegmentState(len(tokens))
             self.read += 1
@@ -298,6 +298,16 @@ class _Runner:
                 self.finish_microbatch(op.unit[0])
         for box in self.outbox.values():
             box.flush()
+
+
+def _columns(val: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """Tokens a:b of a per-token [b, s, ...] tensor, contiguous, and pinned where the loader's batch
+    is: a copy to the GPU from pageable memory may wait for the compute stream on the host, which
+    would hold back the sends and receives issued after it. (Micro-batch 1: a view, pinned as is.)"""
+    piece = val[:, a:b]
+    if piece.is_contiguous() or not val.is_pinned():
+        return piece.contiguous()
+    return piece.contiguous().pin_memory()
 
 
 # The schedules and their dependencies are the same every iteration: computed once.

@@ -140,3 +140,16 @@ def test_timeline_ready_waits_for_the_input_on_gpu(monkeypatch, recording):
     runner = SimpleNamespace(pipe=SimpleNamespace(record_timeline=recording))
     seq1f1b._Runner._mark_ready(runner)
     assert order == (["compute stream", "clock"] if recording else ["clock"]) and runner.ready == 1.0
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_segments_of_a_pinned_batch_stay_pinned(monkeypatch, pinned):
+    """Micro-batch 2 cut into 2 segments: every per-token slice is a copy (columns of [b, s]), and
+    a copy of a pinned batch is pinned, or its copy to the GPU could stall the host."""
+    pinning = []
+    # the loader's whole-sequence tensors are pinned (or not); the slices are what the executor makes
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda t: pinned and t.dim() > 1 and t.shape[1] == S)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: pinning.append(t.shape) or t)
+    run(False, segments=(4, 2))
+    # 3 micro-batches x 2 segments x (x [2, n, 4], mask [2, n])
+    assert len(pinning) == (12 if pinned else 0)
