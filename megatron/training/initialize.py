@@ -9,6 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megatron.longseq.collectives import all_reduce_values
 from megatron.longseq.parallel_state import ProcessGroups, RankGrid, build_process_groups
 from megatron.longseq.random import seed_everything
 from megatron.training.arguments import ArgsError
@@ -53,6 +54,10 @@ def initialize_distributed(args) -> ProcessGroups:
         backend=args.distributed_backend, rank=env.rank, world_size=env.world_size,
         timeout=timedelta(minutes=args.distributed_timeout_minutes),
     )
+    # The world group's first collective fixes its device. Were it megatron-core's dataset barrier,
+    # NCCL would guess: global rank mod the visible GPUs, another rank's GPU on a node that runs
+    # fewer ranks than it has GPUs.
+    all_reduce_values([0.0])
     grid = RankGrid(world_size=env.world_size, tp=args.tensor_model_parallel_size,
                     pp=args.pipeline_model_parallel_size, cp=args.context_parallel_size,
                     hp=args.head_parallel_size, inner_ring=args.cp_inner_ring_size, placement=args.cp_placement,

@@ -81,6 +81,29 @@ def test_planned_allocator_is_installed_before_cuda_starts(monkeypatch):
     assert calls == ["install", "set_device"]
 
 
+def test_the_worlds_first_collective_is_ours_on_the_backends_device(monkeypatch):
+    """Right after the world is made, before any group or megatron-core's dataset barrier (whose
+    device NCCL would otherwise guess: global rank mod the visible GPUs), one all-reduce through
+    the helper that puts it on the backend's device."""
+    calls = []
+
+    class Reached(Exception):
+        pass
+
+    def world_collective(values, op=None, group=None):
+        calls.append(("all_reduce_values", group))
+        raise Reached
+    monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: calls.append("init_process_group"))
+    monkeypatch.setattr(initialize, "all_reduce_values", world_collective)
+    monkeypatch.setattr(initialize, "build_process_groups", lambda *a: calls.append("groups"))
+    args = SimpleNamespace(device_type="cpu", deterministic_mode=False, distributed_backend="gloo",
+                           distributed_timeout_minutes=10)
+    monkeypatch.setattr(initialize, "launch_env", lambda: initialize.LaunchEnv(0, 2, 0))
+    with pytest.raises(Reached):
+        initialize.initialize_distributed(args)
+    assert calls == ["init_process_group", ("all_reduce_values", None)]
+
+
 @pytest.mark.parametrize("launcher, local_rank, visible, index", [
     ("torchrun", 3, 8, 3), ("srun", 3, 1, 0), ("srun", 3, 8, 3), ("torchrun", 0, 1, 0),
     ("torchrun", 1, 1, None), ("torchrun", 4, 4, None), ("srun", 8, 4, None),
