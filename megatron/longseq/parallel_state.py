@@ -2,7 +2,8 @@
 
 Axes from the innermost (adjacent ranks) outwards: tp, cp, dp, pp. This is megatron-core's default
 order "tp-cp-ep-dp-pp" with ep = 1, so the tp/cp/dp/pp groups built here are exactly the ones
-megatron-core's `initialize_model_parallel` builds; `build_process_groups` checks that.
+megatron-core's `initialize_model_parallel` builds; `build_process_groups` takes megatron-core's
+handles for them (one communicator per set of ranks, not two) and checks the members.
 
 The cp axis is itself a 2D grid (LoongTrain section 3): hp (head-parallel, the Ulysses all-to-all)
 x ring (the context-parallel ring). The placement decides which of the two is laid on adjacent
@@ -188,8 +189,11 @@ class RankGrid:
         return out
 
     def aliases(self) -> Dict[str, str]:
-        """Groups with the same members as another, sharing its handle (no second communicator)."""
-        return {"dp_cp_intra": "dp_cp"} if self.instances == 1 else {}
+        """Groups with the same members as another, sharing its handle (no second communicator):
+        only where their traffic never runs at the same time (the norms' all-reduce on mp comes
+        after the backward's tensor-parallel collectives)."""
+        same = {"dp_cp_intra": "dp_cp"} if self.instances == 1 else {}
+        return {**same, "mp": "tp"} if self.pp == 1 else same
 
     @staticmethod
     def _sorted(groups: List[List[int]]) -> List[List[int]]:
@@ -233,8 +237,9 @@ def build_process_groups(grid: RankGrid, timeout_minutes: int = 10, interleaved:
     the run's collective timeout (torch gives a new group its backend's default, not the world's);
     the pipeline's links from the last stage back to the first only for an interleaved schedule.
 
-    Also initialises megatron-core's parallel_state with the same tp/cp/pp sizes and checks that
-    its groups are ours, so megatron-core modules that read its globals agree with us."""
+    Also initialises megatron-core's parallel_state with the same tp/cp/pp sizes; its groups are
+    ours (the same handles, members checked), so megatron-core modules that read its globals agree
+    with us."""
     from megatron.core import parallel_state as mpu
 
     rank = dist.get_rank()
@@ -251,16 +256,18 @@ def build_process_groups(grid: RankGrid, timeout_minutes: int = 10, interleaved:
     )
     pgs = ProcessGroups(grid=grid, rank=rank)
     new_group = functools.partial(dist.new_group, timeout=timedelta(minutes=timeout_minutes))
-    aliases = grid.aliases()
+    aliases, theirs = grid.aliases(), _megatron_groups(grid, mpu)
     for name, group_list in grid.all_groups().items():
         for members in group_list if name not in aliases else ():
-            # new_group is collective over the world even for groups this rank is not in.
-            handle = new_group(members)
+            # megatron-core's group where it has the same one (its modules use it: a second
+            # communicator over the same ranks would cost GPU memory for nothing); new_group is
+            # collective over the world even for groups this rank is not in
+            handle = theirs[name] if name in theirs else new_group(members)
             if rank in members:
                 pgs.groups[name], pgs.members[name] = handle, members
     for name, same in aliases.items():
         pgs.groups[name], pgs.members[name] = pgs.groups[same], pgs.members[same]
-    _check_against_megatron(pgs, mpu)
+    _check_against_megatron(pgs, theirs)
     _build_pipeline_links(grid, pgs, rank, new_group, interleaved)
     return pgs
 
@@ -286,16 +293,18 @@ def _build_pipeline_links(grid: RankGrid, pgs: ProcessGroups, rank: int, new_gro
         handle = new_group([src, dst]) if src != dst else None
         if rank in (src, dst):
             pgs.links[(purpose, src, dst)] = handle
-    # The embedding group: first and last stage of each pipeline (tied word embeddings).
+    # The embedding group: first and last stage of each pipeline (tied word embeddings); with two
+    # stages, the pipeline group itself.
     for members in grid.groups_along(("pp",)):
         ends = sorted({members[0], members[-1]})
-        handle = new_group(ends) if len(ends) > 1 else None
+        handle = None if len(ends) == 1 else pgs.groups.get("pp") if len(members) == 2 else new_group(ends)
         if rank in ends:
             pgs.groups["embd"], pgs.members["embd"] = handle, ends
 
 
-def _check_against_megatron(pgs: ProcessGroups, mpu) -> None:
-    ours_vs_theirs = {
+def _megatron_groups(grid: RankGrid, mpu) -> Dict[str, object]:
+    """This rank's groups of megatron-core's parallel state, under our names."""
+    theirs = {
         "tp": mpu.get_tensor_model_parallel_group(),
         "cp": mpu.get_context_parallel_group(),
         "dp": mpu.get_data_parallel_group(),
@@ -303,10 +312,15 @@ def _check_against_megatron(pgs: ProcessGroups, mpu) -> None:
         "pp": mpu.get_pipeline_model_parallel_group(),
         "dp_cp_intra": mpu.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True),
     }
-    if pgs.grid.instances > 1:
-        ours_vs_theirs["dp_cp_inter"] = mpu.get_inter_distributed_optimizer_instance_group()
-    for name, theirs in ours_vs_theirs.items():
-        their_ranks = sorted(dist.get_process_group_ranks(theirs))
+    if grid.instances > 1:
+        theirs["dp_cp_inter"] = mpu.get_inter_distributed_optimizer_instance_group()
+    return theirs
+
+
+def _check_against_megatron(pgs: ProcessGroups, theirs: Dict[str, object]) -> None:
+    """Our member lists (axis order) are megatron-core's groups (rank order) as sets."""
+    for name, group in theirs.items():
+        their_ranks = sorted(dist.get_process_group_ranks(group))
         if sorted(pgs.members[name]) != their_ranks:
             raise GridError(
                 f"{name} group {pgs.members[name]} differs from megatron-core's {their_ranks}"

@@ -76,9 +76,17 @@ def test_distributed_optimizer_instances_are_consecutive_ranks_of_dp_x_cp():
     grid = RankGrid(world_size=16, tp=2, cp=2, instances=2)  # dp x cp groups: [0, 2, 4, ..., 14], [1, 3, ...]
     assert grid.instance_groups("intra") == [[0, 2, 4, 6], [8, 10, 12, 14], [1, 3, 5, 7], [9, 11, 13, 15]]
     assert grid.instance_groups("inter")[:4] == [[0, 8], [2, 10], [4, 12], [6, 14]]
-    assert grid.aliases() == {}
-    one = RankGrid(world_size=4, tp=2)  # one instance: the whole dp x cp group, the same handle
+    assert grid.aliases() == {"mp": "tp"}  # pp 1: the model-parallel group is the tensor-parallel one
+    one = RankGrid(world_size=4, tp=2, pp=2)  # one instance: the whole dp x cp group, the same handle
     assert one.instance_groups("intra") == one.all_groups()["dp_cp"] and one.aliases() == {"dp_cp_intra": "dp_cp"}
+
+
+@pytest.mark.parametrize("grid", [RankGrid(world_size=8, tp=2, cp=2), RankGrid(world_size=8, tp=2, pp=2),
+                                  RankGrid(world_size=16, tp=2, cp=2, instances=2)], ids=str)
+def test_aliased_groups_have_the_same_members(grid):
+    groups = grid.all_groups()
+    for name, same in grid.aliases().items():
+        assert sorted(map(sorted, groups[name])) == sorted(map(sorted, groups[same])), name
 
 
 @pytest.mark.parametrize("kw, message", [
@@ -154,3 +162,20 @@ def test_pipeline_links_are_those_the_schedule_sends_on(pp, v):
             if sent_messages(ops[stage], pp, stage, v, purpose)}
     links = pipeline_links(grid, interleaved=v > 1)
     assert len(links) == len(set(links)) and set(links) == used
+
+
+def _one_communicator_per_group():
+    """megatron-core's handles where it has the same group, and the aliases: no second
+    communicator over the same ranks (each costs GPU memory on NCCL)."""
+    from megatron.core import parallel_state as mpu
+
+    pgs = grid_groups(tp=2)
+    assert pgs.tp is mpu.get_tensor_model_parallel_group() and pgs.mp is pgs.tp
+    assert pgs.dp_cp is mpu.get_data_parallel_group(with_context_parallel=True)
+    assert pgs.cp is mpu.get_context_parallel_group()
+    pgs = grid_groups(pp=2)
+    assert pgs.pp is mpu.get_pipeline_model_parallel_group() and pgs.embd is pgs.pp
+
+
+def test_one_communicator_per_set_of_ranks():
+    run_ranks(_one_communicator_per_group, 2)
