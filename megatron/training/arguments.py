@@ -10,6 +10,8 @@ import argparse
 import sys
 from typing import List, Optional, Tuple
 
+from megatron.training.flag_help import HELP
+
 
 class ArgsError(ValueError):
     """Bad command line; reported as one line before any process group exists."""
@@ -434,99 +436,6 @@ def _compat(p):
         g.add_argument(flag, nargs="*", default=None, help=argparse.SUPPRESS, dest=_unsupported_dest(flag))
 
 
-# Help for flags defined without it (Megatron's meanings); --help adds every default.
-_HELP = {
-    '--num-layers': 'transformer layers',
-    '--hidden-size': 'model width',
-    '--ffn-hidden-size': "MLP width (default: 4 x hidden, or Megatron's SwiGLU width)",
-    '--num-attention-heads': 'query heads',
-    '--kv-channels': 'head dimension (default: hidden / heads)',
-    '--group-query-attention': 'grouped-query attention (with --num-query-groups)',
-    '--num-query-groups': 'key/value heads with --group-query-attention',
-    '--seq-length': 'tokens per sample',
-    '--max-position-embeddings': 'position table size (default: --seq-length)',
-    '--position-embedding-type': 'learned absolute positions or rotary embedding',
-    '--rotary-base': 'RoPE frequency base',
-    '--rotary-percent': "share of each head's channels RoPE rotates",
-    '--swiglu': 'gated SiLU MLP',
-    '--normalization': 'norm of every layer',
-    '--norm-epsilon': 'norm epsilon',
-    '--disable-bias-linear': 'no biases in the linear layers',
-    '--untie-embeddings-and-output-weights': "separate output layer instead of the input embedding's transpose",
-    '--hidden-dropout': 'dropout after attention and MLP',
-    '--attention-dropout': 'dropout on attention probabilities',
-    '--init-method-std': 'std of the normal weight init',
-    '--make-vocab-size-divisible-by': 'vocabulary padding multiple (times tp)',
-    '--vocab-size': "vocabulary size for NullTokenizer; with a text tokenizer, the model's rows when wider",
-    '--tensor-model-parallel-size': 'tensor-parallel degree',
-    '--pipeline-model-parallel-size': 'pipeline stages',
-    '--context-parallel-size': 'sequence-parallel degree over ranks (ring, Ulysses or 2D: --cp-comm-type)',
-    '--sequence-parallel': 'shard norms and dropout over tp along the sequence (GPU)',
-    '--use-distributed-optimizer': 'shard the optimizer state over data parallel (ZeRO-1)',
-    '--overlap-grad-reduce': 'reduce each gradient bucket as soon as its backward is done',
-    '--distributed-timeout-minutes': 'collective timeout',
-    '--mock-data': "synthetic tokens (megatron-core's MockGPTDataset)",
-    '--data-path': 'indexed dataset prefix(es), optionally weighted',
-    '--split': 'train/valid/test split of --data-path',
-    '--data-cache-path': 'where dataset indices are cached',
-    '--tokenizer-type': 'tokenizer',
-    '--tokenizer-model': 'HuggingFace tokenizer name or path',
-    '--vocab-file': 'GPT-2 vocab.json',
-    '--merge-file': 'GPT-2 merges.txt',
-    '--seed': 'random seed',
-    '--num-workers': 'data loader workers',
-    '--eod-mask-loss': 'no loss on end-of-document tokens',
-    '--reset-position-ids': 'positions restart at each document',
-    '--reset-attention-mask': 'attention stays within documents',
-    '--micro-batch-size': 'samples per micro-batch',
-    '--global-batch-size': 'samples per step (default: micro batch x dp)',
-    '--train-iters': 'training steps (or --train-samples)',
-    '--optimizer': 'optimizer',
-    '--lr': 'peak learning rate',
-    '--min-lr': 'learning rate floor',
-    '--lr-decay-style': 'learning rate decay shape',
-    '--lr-decay-iters': 'decay length in steps (default: --train-iters)',
-    '--lr-warmup-iters': 'warm-up steps',
-    '--lr-warmup-fraction': 'warm-up as a fraction of the decay',
-    '--lr-warmup-init': 'learning rate at the start of warm-up',
-    '--weight-decay': 'AdamW weight decay',
-    '--clip-grad': 'gradient norm clip (0: off)',
-    '--adam-beta1': 'Adam beta1',
-    '--adam-beta2': 'Adam beta2',
-    '--adam-eps': 'Adam epsilon',
-    '--bf16': 'bf16 model, fp32 main params and gradient reduction',
-    '--calculate-per-token-loss': 'loss averaged over all tokens of the step, not per micro-batch',
-    '--no-check-for-nan-in-loss-and-grad': 'do not stop on a NaN/Inf loss or gradient norm',
-    '--recompute-granularity': 'activation recompute: whole layers or core attention only',
-    '--recompute-method': 'which layers --recompute-granularity full recomputes',
-    '--recompute-num-layers': 'layers per recompute unit / layers recomputed',
-    '--memo-planner': "solver of MEMO's memory plan (falls back gurobi -> cpsat -> greedy)",
-    '--transformer-impl': "layer implementation: megatron-core's local modules or Transformer Engine (GPU)",
-    '--deterministic-mode': 'deterministic kernels only',
-    '--exit-interval': 'save (with --save) and stop every N steps',
-    '--no-cross-entropy-loss-fusion': 'unfused cross entropy on GPU',
-    '--cross-entropy-fusion-impl': "megatron-core's fused cross-entropy implementation",
-    '--save': 'checkpoint directory to write',
-    '--load': 'checkpoint directory to resume from',
-    '--save-interval': 'steps between checkpoints',
-    '--no-save-optim': 'checkpoints without optimizer state',
-    '--no-save-rng': 'checkpoints without RNG state',
-    '--no-load-optim': 'resume without the optimizer state',
-    '--no-load-rng': 'resume without the RNG state',
-    '--log-interval': 'steps between log lines',
-    '--eval-iters': 'batches per evaluation (0: none)',
-    '--tensorboard-dir': 'tensorboard event directory',
-    '--tensorboard-log-interval': 'steps between tensorboard scalars',
-    '--log-throughput': 'TFLOP/s, tokens/s and MFU in the log',
-    '--timing-log-level': '0: none, 1: per-step timers and pipeline memory, 2: attention ledger',
-    '--log-params-norm': 'parameter norm in the log',
-    '--log-num-zeros-in-grad': 'zero gradient count in the log',
-    '--log-memory-to-tensorboard': 'memory counters to tensorboard',
-    '--log-timers-to-tensorboard': 'iteration time, throughput and timers to tensorboard',
-    '--log-validation-ppl-to-tensorboard': 'validation perplexity to tensorboard',
-}
-
-
 def _unsupported_dest(flag: str) -> str:
     return "_unsupported_" + flag[2:].replace("-", "_")
 
@@ -539,7 +448,7 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
         add(parser)
     for action in parser._actions:  # argparse keeps no public list of actions
         if action.help is None and action.option_strings:
-            action.help = _HELP.get(action.option_strings[0])
+            action.help = HELP.get(action.option_strings[0])
     if extra_args_provider is not None:
         extra_args_provider(parser)
     return parser
