@@ -294,7 +294,8 @@ def _training(p):
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on --exit-signal, finish the iteration, save (with --save) and stop")
     g.add_argument("--exit-signal", choices=["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"], default="SIGTERM",
-                   help="the signal --exit-signal-handler catches (Slurm: #SBATCH --signal=USR1@300 with SIGUSR1)")
+                   help="the signal --exit-signal-handler catches (ranks started by srun: #SBATCH "
+                        "--signal=USR1@300 and SIGUSR1; under torchrun see README)")
     g.add_argument("--manual-gc", action="store_true",
                    help="turn Python's automatic garbage collector off, so that no rank pauses at its own moment; "
                         "collect at the start, every --manual-gc-interval iterations and around evaluations")
