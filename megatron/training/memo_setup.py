@@ -103,6 +103,11 @@ def setup_memo(args, pgs, state, forward_step_func, device) -> Memo:
         print_rank_0(f"MEMO memory plan: reused {path} (peak {summary['peak_bytes'] / 2**20:.2f} MiB)")
         if planned is not None:
             planned.load(saved_replay(summary))
+    elif planned is None and not args.memo_save_plan:
+        # the caching allocator places tensors itself: a plan would cost an iteration under trace
+        # and the solver's time (up to a minute) for a log line
+        print_rank_0("MEMO memory plan: none made (--memo-allocator planned follows one, --memo-save-plan "
+                     "writes one, tools/plan_memory.py draws one)")
     else:
         trace = _trace(one_iteration, layers, device, planned)
         plan = bilevel_plan(trace, args.memo_planner, time_limit=30.0)

@@ -122,3 +122,17 @@ def test_the_planned_allocators_trace_runs_with_the_collector_off(monkeypatch):
     got = memo_setup._trace(lambda: seen.append(("collecting", gc.isenabled())), [], torch.device("cuda"), planned)
     assert got == "trace" and seen == [("record", True), ("collecting", False), ("record", False)]
     assert gc.isenabled()
+
+
+def test_no_plan_is_made_for_the_caching_allocator(monkeypatch, capsys):
+    """With torch's caching allocator and no --memo-save-plan nothing would use the plan: no trace
+    iteration, no solver."""
+    from megatron.training import memo_setup
+
+    def unused(*args, **kwargs):
+        raise AssertionError("a plan was made that nothing uses")
+    monkeypatch.setattr(memo_setup, "_trace", unused)
+    monkeypatch.setattr(memo_setup, "bilevel_plan", unused)
+    _, high = _needs()
+    _setup(2 * high)
+    assert "MEMO memory plan: none made" in capsys.readouterr().out
