@@ -30,18 +30,24 @@ def _sync(device):
 
 
 def bandwidth(device: torch.device, limit: int = 64 * 2**20) -> float:
-    """Bytes/s of a device-to-host copy (pinned on GPU; a plain copy on CPU), measured with at
-    most `limit` bytes of host memory (counted with MEMO's own)."""
+    """Bytes/s of the slower direction between device and host memory (pinned on GPU; plain
+    copies on CPU): the offload in forward and the prefetch in backward must both hide behind
+    compute. Measured with at most `limit` bytes of host memory (counted with MEMO's own)."""
     nbytes = max(ALIGN, min(64 * 2**20, int(limit)))
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = host_empty(nbytes, pin=device.type == "cuda")
-    dst.copy_(src)  # warm up
+    on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = host_empty(nbytes, pin=device.type == "cuda")
+    return min(copy_rate(host, on_device, device), copy_rate(on_device, host, device))
+
+
+def copy_rate(dst: torch.Tensor, src: torch.Tensor, device: torch.device, copies: int = 4) -> float:
+    """Bytes/s of dst.copy_(src), after one copy to warm up."""
+    dst.copy_(src)
     _sync(device)
     start = time.perf_counter()
-    for _ in range(3):
+    for _ in range(copies):
         dst.copy_(src, non_blocking=device.type == "cuda")
     _sync(device)
-    return 3 * nbytes / (time.perf_counter() - start)
+    return copies * dst.numel() * dst.element_size() / (time.perf_counter() - start)
 
 
 def profile_sizes(memo, run_microbatch: Callable[[], None], layers: List[torch.nn.Module],

@@ -241,3 +241,21 @@ def test_plan_memory_tool_profiles_plans_and_draws(tmp_path):
     lines = bad.stderr.strip().splitlines()
     assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-2000:]
     assert "model flags: " in lines[-1] and "--hidden-size" in lines[-1]
+
+
+def test_bandwidth_is_the_slower_direction(monkeypatch):
+    """MEMO's LP gets the slower of the offload (device to host, in forward) and the prefetch (host
+    to device, in backward): both must hide behind compute."""
+    from megatron.longseq.memo import profiler
+
+    calls = []
+
+    def rate(dst, src, device, copies=4):
+        calls.append((dst, src))
+        return 2e9 if len(calls) == 1 else 1e9
+    monkeypatch.setattr(profiler, "copy_rate", rate)
+    assert profiler.bandwidth(torch.device("cpu")) == 1e9
+    (a, b), (c, d) = calls
+    assert a is d and b is c  # one way and back between the same two buffers
+    monkeypatch.undo()
+    assert 0 < profiler.copy_rate(torch.empty(4096), torch.ones(4096), torch.device("cpu")) < float("inf")
