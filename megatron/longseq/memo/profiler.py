@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import statistics
 import time
 from typing import Callable, List, Optional, Tuple
 
@@ -75,17 +76,19 @@ def profile_sizes(memo, run_microbatch: Callable[[], None], layers: List[torch.n
     return LayerProfile.largest(sizes, _forward_seconds(layers[0], first[0], device)), sizes
 
 
-def _forward_seconds(layer, state, device) -> float:
-    """One layer's forward time, without offloading: rerun it on its input under no_grad."""
+def _forward_seconds(layer, state, device, samples: int = 3) -> float:
+    """One layer's forward time, without offloading: rerun on its input under no_grad, after a
+    warm-up; the median of `samples` (a single short run is at the mercy of clocks ramping up)."""
     x = torch.randn(state._input_view[0], device=device,
                     dtype=next(layer.parameters()).dtype)
+    times = []
     with torch.no_grad():
-        layer(hidden_states=x, **state.kwargs)
-        _sync(device)
-        start = time.perf_counter()
-        layer(hidden_states=x, **state.kwargs)
-        _sync(device)
-    return time.perf_counter() - start
+        for _ in range(samples + 1):
+            start = time.perf_counter()
+            layer(hidden_states=x, **state.kwargs)
+            _sync(device)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
 
 
 def mark_layer_windows(layers, trace: Trace) -> list:

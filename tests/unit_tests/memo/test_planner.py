@@ -259,3 +259,19 @@ def test_bandwidth_is_the_slower_direction(monkeypatch):
     assert a is d and b is c  # one way and back between the same two buffers
     monkeypatch.undo()
     assert 0 < profiler.copy_rate(torch.empty(4096), torch.ones(4096), torch.device("cpu")) < float("inf")
+
+
+def test_layer_time_is_the_median_after_a_warm_up(monkeypatch):
+    """The LP's forward time: a warm-up run left out, then the median of three."""
+    from types import SimpleNamespace
+
+    from megatron.longseq.memo import profiler
+
+    class Layer(torch.nn.Linear):
+        def forward(self, hidden_states):
+            return super().forward(hidden_states)
+
+    ticks = iter([0, 10, 10, 11, 11, 16, 16, 18])  # runs of 10 s (warm-up), 1, 5, 2
+    monkeypatch.setattr(profiler.time, "perf_counter", lambda: next(ticks))
+    state = SimpleNamespace(_input_view=[(2, 4)], kwargs={})
+    assert profiler._forward_seconds(Layer(4, 4), state, torch.device("cpu")) == 2
