@@ -44,9 +44,12 @@ class Bucket:
     params: List[torch.nn.Parameter]
     start: int
     end: int
-    pending: set = field(default_factory=set)
+    pending: set = field(init=False)  # params whose gradient the synced backward has not given yet
     handle: Optional[object] = None
     gather: Optional[tuple] = None  # (work, its input) of an all-gather of params still in flight
+
+    def __post_init__(self):
+        self.pending = set(self.params)
 
     def shard_range(self, shard_rank: int, shards: int):
         size = (self.end - self.start) // shards
@@ -143,6 +146,8 @@ class GradBuffer:
         p.grad = None
         if self.overlap and self.sync_enabled:
             bucket = self.bucket_of[p]
+            if p not in bucket.pending:  # its bucket may be reducing already: a second add would race it
+                raise RuntimeError(f"a gradient of {tuple(p.shape)} arrived twice in the backward that reduces it")
             bucket.pending.discard(p)
             if not bucket.pending and not any(self.bucket_of[d] is bucket for d in self.deferred):
                 self._reduce(bucket, async_op=True)
@@ -196,7 +201,7 @@ class GradBuffer:
             elif hasattr(bucket.handle, "wait"):
                 bucket.handle.wait()
                 self._complete(bucket)
-            bucket.handle = None
+            bucket.handle, bucket.pending = None, set(bucket.params)  # the next synced backward launches it once
 
     def zero_grad(self) -> None:
         """Start of an iteration: zero gradients, every bucket waiting for all its params."""

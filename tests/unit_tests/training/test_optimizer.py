@@ -394,3 +394,40 @@ def test_parameter_gathers_launch_in_the_order_the_next_forward_waits_for_them()
     forward order: the first layer's forward waits for its own bucket, not for all of them. The
     params norm (--log-params-norm) is taken before them, and is the norm of the updated weights."""
     run_ranks(_check_gathers_launch_in_the_order_the_forward_waits, 2)
+
+
+def _each_bucket_once():
+    """Overlapped reduction launches each bucket once per synced backward, from the very first
+    iteration (before any zero_grad: MEMO's set-up iterations run so), and the reduced shard is
+    the full batch's gradient; a gradient given twice is refused, not added to a bucket in flight."""
+    _, model, buffer, opt = _build(shard=True, overlap=True, bucket=50)
+    launches, real = [], buffer._reduce
+    buffer._reduce = lambda bucket, async_op: launches.append(id(bucket)) or real(bucket, async_op)
+    ref = copy.deepcopy(model)
+    for step in range(2):
+        if step:
+            opt.zero_grad()
+        mine = batches(step)[2 * dist.get_rank() : 2 * dist.get_rank() + 2]
+        for i, (x, y) in enumerate(mine):
+            with buffer.no_sync() if i == 0 else torch.enable_grad():
+                (torch.nn.functional.mse_loss(model(x), y) / 2).backward()
+        buffer.finish_grad_sync()
+        assert sorted(launches) == sorted(map(id, buffer.buckets)), launches
+        launches.clear()
+    # the last step's gradient against one process's over the whole batch
+    ref.zero_grad()
+    (sum(torch.nn.functional.mse_loss(ref(x), y) for x, y in batches(1)) / 4).backward()
+    want = torch.zeros_like(buffer.grad_data)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        if q.grad is not None:
+            want[buffer.offsets[p] : buffer.offsets[p] + p.numel()] = q.grad.view(-1)
+    for lo, hi in buffer.owned_ranges():  # fp32, sums in another order: ~1e-7 relative
+        torch.testing.assert_close(buffer.grad_data[lo:hi], want[lo:hi], atol=1e-6, rtol=1e-5)
+    p = model.fc1.weight
+    buffer._on_grad(p)  # its bucket waits for the others again
+    with pytest.raises(RuntimeError, match="arrived twice"):
+        buffer._on_grad(p)
+
+
+def test_each_bucket_is_reduced_once_per_synced_backward():
+    run_ranks(_each_bucket_once, 2)
