@@ -65,6 +65,9 @@ class Varlen:
     causal: bool
 
 
+VARLEN_MAX_SEQS = 65535  # flash-attention 2 puts a call's sequences on the grid's y dimension
+
+
 def varlen_violations(q, k, v, seqs: Varlen, out=None, lse=None, dout=None) -> List[str]:
     """What in a variable-length call breaks flash-attn's mha_varlen contract: q [Tq, hq, d], k and v
     [Tk, hkv, d], out and dout like q, with a unit last stride; lse a contiguous float32 [hq, Tq]
@@ -82,6 +85,8 @@ def varlen_violations(q, k, v, seqs: Varlen, out=None, lse=None, dout=None) -> L
                  if cu.dtype != torch.int32 or cu.dim() != 1 or not cu.is_contiguous() or cu.device != q.device]
     if seqs.cu_q.shape != seqs.cu_k.shape:
         problems.append(f"cu_q {list(seqs.cu_q.shape)} and cu_k {list(seqs.cu_k.shape)} count different sequences")
+    if seqs.cu_q.numel() - 1 > VARLEN_MAX_SEQS:  # one grid row per sequence: the launch would fail
+        problems.append(f"{seqs.cu_q.numel() - 1} sequences in one call, more than {VARLEN_MAX_SEQS}")
     want = [q.shape[1], q.shape[0]]
     if lse is not None and (lse.dtype != torch.float32 or list(lse.shape) != want or not lse.is_contiguous()):
         problems.append(f"lse must be a contiguous float32 [hq, Tq] = {want} tensor, got {lse.dtype} "

@@ -23,7 +23,7 @@ from typing import List, Tuple
 import torch
 
 from megatron.longseq.attention.documents import Piece
-from megatron.longseq.attention.kernels import AttentionKernel, Varlen
+from megatron.longseq.attention.kernels import VARLEN_MAX_SEQS, AttentionKernel, Varlen
 
 Tensor = torch.Tensor
 Index = Tuple[Tensor, Tensor]  # (sample [T], row [T]) long: the rows of a group, in call order
@@ -46,25 +46,55 @@ def uses_varlen(kernel: AttentionKernel, pieces: List[Piece]) -> bool:
     return kernel.varlen and len(pieces) > 1
 
 
+# What one call of flash-attention 2's variable-length kernels (torch's and flash-attn's) can take:
+# its backward keeps fp32 scratch of (rows + PAD x sequences) x heads x d, several times the rows'
+# own size for many short documents; and its grid has one row per sequence, at most MAX_SEQS. A group
+# is closed before its padding passes its rows by PAD_ROWS (256 MiB of scratch at 32 heads of 128).
+PAD, PAD_ROWS, MAX_SEQS = 128, 16384, VARLEN_MAX_SEQS
+
+
 def group_pieces(pieces: List[Piece], samples: int) -> List[List[Piece]]:
     """Pieces of one kind with disjoint query rows and disjoint key rows per group (so a group's
-    results and gradients land on distinct rows), each group ordered by query row. A piece for
-    every sample (sample None) counts once per sample."""
-    groups: List[List[Piece]] = []
+    results and gradients land on distinct rows), each group ordered by query row and within the
+    kernels' limits. A piece for every sample (sample None) counts once per sample."""
+    groups: List[_Open] = []
     each = [replace(p, sample=i) for p in pieces for i in (range(samples) if p.sample is None else [p.sample])]
     for p in sorted(each, key=lambda p: (p.sample, p.q0, p.k0)):
-        home = next((g for g in groups if _fits(g, p)), None)
+        home = next((g for g in groups if g.fits(p)), None)
         if home is None:
-            groups.append([p])
-        else:
-            home.append(p)
-    return groups
+            home = _Open()
+            groups.append(home)
+        home.add(p)
+    return [g.pieces for g in groups]
 
 
-def _fits(group: List[Piece], p: Piece) -> bool:
-    last = group[-1]  # the group's latest query rows (pieces arrive by sample, then row)
-    return (last.causal == p.causal and (last.sample, last.q1) <= (p.sample, p.q0)
-            and all(m.sample != p.sample or m.k1 <= p.k0 or p.k1 <= m.k0 for m in group))
+class _Open:
+    """A group being filled: its pieces (by sample, then query row), their query rows, and per
+    sample the end of the furthest key range (a piece past it needs no check against each member:
+    the usual case, so grouping stays linear in the pieces)."""
+
+    def __init__(self):
+        self.pieces: List[Piece] = []
+        self.rows = 0
+        self.key_end = {}
+
+    def fits(self, p: Piece) -> bool:
+        last, n = self.pieces[-1], len(self.pieces) + 1
+        if last.causal != p.causal or (last.sample, last.q1) > (p.sample, p.q0):
+            return False
+        if n > MAX_SEQS or PAD * n > self.rows + (p.q1 - p.q0) + PAD_ROWS:
+            return False
+        return p.k0 >= self.key_end.get(p.sample, p.k0) or keys_apart(self.pieces, p)
+
+    def add(self, p: Piece) -> None:
+        self.pieces.append(p)
+        self.rows += p.q1 - p.q0
+        self.key_end[p.sample] = max(self.key_end.get(p.sample, p.k1), p.k1)
+
+
+def keys_apart(members: List[Piece], p: Piece) -> bool:
+    """Whether p's key rows meet no member's (of its sample)."""
+    return all(m.sample != p.sample or m.k1 <= p.k0 or p.k1 <= m.k0 for m in members)
 
 
 def _side(members: List[Piece], lo: str, hi: str) -> Tuple[Index, Tensor, int]:

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from megatron.longseq.attention import varlen
-from megatron.longseq.attention.documents import Piece, Pieces, balanced_ring_tokens, block_pieces, document_ids
+from megatron.longseq.attention.documents import (Piece, Pieces, balanced_ring_tokens, block_pieces, document_ids,
+                                                  lognormal_starts)
 from megatron.longseq.attention.kernels import (FlashAttnKernel, KernelContractError, TorchCudaFlashKernel,
                                                 TorchCudnnKernel, Varlen)
 from megatron.longseq.attention.ring import _Rows, add_block_grads, block_backward, block_forward
@@ -69,6 +70,24 @@ def test_pieces_reading_the_same_keys_go_to_separate_calls():
     assert [p.sample for p in every] == [0, 1]
 
 
+def test_calls_stay_within_the_kernels_limits_and_group_in_linear_time(monkeypatch):
+    """Balanced blocks of many short documents (S 64K over 8 ranks, mean length 16): every call's
+    backward padding (128 rows a sequence) stays within PAD_ROWS of its rows, and the sequence
+    count within the grid's limit (here lowered to 50); pieces go in without a check against every
+    member of their group (none here: each piece's keys lie past the group's)."""
+    from megatron.longseq.attention.placement import DocumentLayout
+
+    checks = []
+    monkeypatch.setattr(varlen, "MAX_SEQS", 50)
+    monkeypatch.setattr(varlen, "keys_apart", lambda members, p: checks.append(p) or True)
+    layout = DocumentLayout(lognormal_starts(1 << 16, 16, 1.0, torch.Generator().manual_seed(0)).unsqueeze(0), 8)
+    for src in range(8):
+        for group in check_groups(layout.pieces(0, 0, 0, src), 1):
+            rows = sum(p.q1 - p.q0 for p in group)
+            assert len(group) <= 50 and varlen.PAD * len(group) <= rows + varlen.PAD_ROWS
+    assert not checks
+
+
 # ---- a block through the varlen entry against the same block piece by piece ----------------------
 
 B, H, G, S, D = 2, 4, 2, 12, 8
@@ -103,11 +122,16 @@ def _attend(kernel, first):
     return out, lse, dq, accs
 
 
-@pytest.mark.parametrize("first, first_calls", [(FIRST, 1), (SPLIT_FIRST, 2)])
-def test_a_block_through_the_varlen_entry_equals_it_piece_by_piece(monkeypatch, first, first_calls):
+@pytest.mark.parametrize("first, first_calls, max_seqs", [(FIRST, 1, None), (SPLIT_FIRST, 2, None), (FIRST, 1, 1)])
+def test_a_block_through_the_varlen_entry_equals_it_piece_by_piece(monkeypatch, first, first_calls, max_seqs):
     """Same output, lse and gradients as one kernel call per piece (fp32: the same CPU kernel
-    runs per sequence either way, so only the merge order of the rows' sums differs: 1e-6)."""
+    runs per sequence either way, so only the merge order of the rows' sums differs: 1e-6); also
+    with every call cut to one sequence by the kernels' limits."""
     install_flash_varlen_stand_ins(monkeypatch.setattr)
+    if max_seqs is not None:
+        monkeypatch.setattr(varlen, "MAX_SEQS", max_seqs)
+        for pieces in (first, LATER):  # plans made under the real limit are kept on the lists
+            monkeypatch.setattr(pieces, "plans", {})
     per_piece, calls = ContractKernel(), ContractKernel(varlen=True)
     want, got = _attend(per_piece, first), _attend(calls, first)
     for w, g in zip(want[:3] + tuple(want[3]), got[:3] + tuple(got[3])):
@@ -115,7 +139,10 @@ def test_a_block_through_the_varlen_entry_equals_it_piece_by_piece(monkeypatch, 
     # per piece: 3 + 6 forward calls, 3 + 6 backward; varlen: one per group -- the diagonal's one,
     # and LATER's full pieces (both samples), the full piece re-reading keys 2:6, the causal ones
     assert per_piece.calls.count("F") == 9 and per_piece.calls.count("B") == 9
-    assert calls.calls == ["FV"] * (first_calls + 3) + ["BV"] * (first_calls + 3), calls.calls
+    if max_seqs is None:
+        assert calls.calls == ["FV"] * (first_calls + 3) + ["BV"] * (first_calls + 3), calls.calls
+    else:  # one call per piece, the diagonal block's included
+        assert calls.calls.count("FV") == 9 and calls.calls.count("BV") == 9, calls.calls
 
 
 # ---- the kernels' varlen entry ------------------------------------------------------------------------
@@ -191,6 +218,8 @@ def test_the_varlen_contract_refuses_what_mha_varlen_misreads():
         "unit last stride": dict(q=torch.zeros(5, D, 4).transpose(1, 2)),
         "do not hold": dict(seqs=Varlen(cu_q, cu_k, 3, 3, 6, 5, True)),
         "count different": dict(seqs=Varlen(cu_q, cu_k[:2], 3, 3, 5, 5, True)),
+        # 65536 one-row sequences over the 5 rows' worth of cu_seqlens: more than the grid takes
+        "more than 65535": dict(seqs=Varlen(*(torch.zeros(65537, dtype=torch.int32),) * 2, 3, 3, 5, 5, True)),
     }
     for message, change in bad.items():
         args = dict(q=q, k=k, v=v, seqs=seqs, out=q, lse=lse, dout=q)
