@@ -77,6 +77,18 @@ class Fragment:
 MODEL_SPACE = ("fp32_param", "exp_avg", "exp_avg_sq")
 
 
+# Elements a reduction over a fragment takes at once: its temporaries (the squares, the zero mask)
+# stay within 64 MiB, where a whole fragment's reach GiBs (the embedding of a 128K vocabulary). A
+# fragment of at most this size is reduced as one piece, as before.
+REDUCE_CHUNK = 1 << 24
+
+
+def _pieces(tensors):
+    """Every tensor's elements in pieces of at most REDUCE_CHUNK (views), in order."""
+    for t in tensors:
+        yield from t.reshape(-1).split(REDUCE_CHUNK)
+
+
 class DistributedAdam:
     def __init__(self, named_params, buffer: GradBuffer, pgs, args, scaler: Optional[LossScaler] = None):
         self.buffer, self.pgs, self.scaler = buffer, pgs, scaler
@@ -155,8 +167,8 @@ class DistributedAdam:
         # chaotic under any rounding change) moved past their tolerance in a pipeline case.
         device = self.device
         sq = torch.zeros((), dtype=torch.float32, device=device)
-        for t in tensors:
-            sq += t.float().square().sum()
+        for piece in _pieces(tensors):
+            sq += piece.float().square().sum()
         return math.sqrt(self._global_sum(sq).item())
 
     def grad_norm(self) -> float:
@@ -167,9 +179,8 @@ class DistributedAdam:
 
     def count_zeros(self) -> int:
         zeros = torch.zeros((), dtype=torch.float32, device=self.device)
-        for f in self.fragments:
-            if f.counted:
-                zeros += (f.main.grad == 0).sum()
+        for piece in _pieces(f.main.grad for f in self.fragments if f.counted):
+            zeros += (piece == 0).sum()
         return int(self._global_sum(zeros).item())
 
     # ---- fp16 loss scaling ----------------------------------------------------------------------
@@ -206,9 +217,8 @@ class DistributedAdam:
             raise FloatingPointError(f"grad norm is {grad_norm}: NaN or Inf in the gradients")
         if self.clip_grad > 0:
             coeff = self.clip_grad / (grad_norm + 1.0e-6)
-            if coeff < 1.0:
-                for f in self.fragments:
-                    f.main.grad.mul_(coeff)
+            if coeff < 1.0 and self.fragments:  # one multi-tensor kernel (the same products as one per fragment)
+                torch._foreach_mul_([f.main.grad for f in self.fragments], coeff)
         num_zeros = self.count_zeros() if count_zeros else None
         self.optimizer.step()
         self.steps += 1

@@ -266,6 +266,37 @@ def test_unscaling_makes_no_fragment_sized_temporaries():
     run_ranks(_check_unscaling_makes_no_fragment_sized_temporaries, 2)
 
 
+def _check_step_reductions_make_no_fragment_sized_temporaries():
+    """Grad norm, zero count and clip take a fragment in pieces (REDUCE_CHUNK, lowered to 8
+    elements here): no temporary as large as a fragment (the embedding's reach GiBs), the same
+    norm and count as whole fragments (fp32 sums of 8-element pieces: ~1e-7 relative), and the
+    clip multiplies every gradient by one coefficient in a multi-tensor kernel, bit for bit."""
+    from megatron.training import optimizer
+    from tests.unit_tests.alloc_count import CreatedTensors
+
+    pgs, model, buffer, opt = _build(shard=True, overlap=False, bucket=None)
+    ddp_training(model, buffer, opt, steps=1)
+    whole_norm, whole_zeros = opt.grad_norm(), opt.count_zeros()
+    largest = max(f.main.numel() for f in opt.fragments)
+    optimizer.REDUCE_CHUNK = 8
+    try:
+        with CreatedTensors() as created:
+            norm, zeros = opt.grad_norm(), opt.count_zeros()
+    finally:
+        optimizer.REDUCE_CHUNK = 1 << 24
+    assert largest > 8 and not created.at_least(largest), created.created
+    assert abs(norm - whole_norm) <= 1e-6 * whole_norm and zeros == whole_zeros
+    grads = [f.main.grad.clone() for f in opt.fragments]
+    opt.clip_grad, opt.optimizer.step = 1e-3 * norm, lambda: None  # the clip alone
+    opt.step()
+    coeff = opt.clip_grad / (norm + 1.0e-6)
+    assert all(torch.equal(f.main.grad, g * coeff) for f, g in zip(opt.fragments, grads))
+
+
+def test_step_reductions_make_no_fragment_sized_temporaries():
+    run_ranks(_check_step_reductions_make_no_fragment_sized_temporaries, 2)
+
+
 class _GroupOfSize:
     """A data-parallel group as megatron-core's buffer asks it while laying itself out."""
 
