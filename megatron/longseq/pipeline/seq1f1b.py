@@ -323,6 +323,14 @@ def _needs_of(p: int, m: int, k: int, v: int, group: Optional[int], forward_only
     return prefix_needs(_stage_ops(p, m, k, v, group, forward_only), v, k, of=stage)
 
 
+def _on_device(count, device) -> torch.Tensor:
+    """The token count as an int64 scalar on `device`. A stage without losses holds a Python 0:
+    made there, not copied from host memory (on CUDA a blocking copy, which waits for the backward)."""
+    if not isinstance(count, torch.Tensor):
+        return torch.full((), count, dtype=torch.int64, device=device)
+    return count.reshape(()).to(torch.int64)
+
+
 def _drain_compute() -> None:
     """Wait for the compute stream only, never the whole device: a device synchronize would also
     wait for the receives posted ahead (p2p.Inbox), which land when their senders get there -- the
@@ -356,6 +364,6 @@ def forward_backward_seq1f1b(
     if not forward_only and config.finalize_model_grads_func is not None:
         tokens = None
         if config.calculate_per_token_loss:
-            tokens = torch.as_tensor(runner.total_tokens).reshape(()).to(torch.int64)
+            tokens = _on_device(runner.total_tokens, next(chunks[0].parameters()).device)
         config.finalize_model_grads_func(chunks, tokens)
     return runner.reports

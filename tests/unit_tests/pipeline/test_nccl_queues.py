@@ -88,7 +88,9 @@ class _Chunk(torch.nn.Module):
 
     def forward(self, tokens):
         # [b, n] -> [n, b, h]: the activation layout between stages
-        x = self.input if self.input is not None else torch.ones(tokens.shape[1], MBS, HIDDEN)
+        x = self.input
+        if x is None:
+            x = torch.ones(tokens.shape[1], MBS, HIDDEN, device=self.weight.device)
         return _Compute.apply(x * self.weight, self.program)
 
 

@@ -56,6 +56,28 @@ def test_collectives_of_host_values_go_through_the_helper():
     run_ranks(_collectives_of_host_values, 2)
 
 
+def test_a_stage_without_losses_makes_its_token_count_on_the_device(monkeypatch):
+    """--calculate-per-token-loss on a pipeline: the first of two stages computes no loss, and the
+    count it hands to the gradients' finalisation (broadcast from the last stage) is made on the
+    model's device -- a host value copied there blocks until the backward is done. The stage runs
+    on the meta device, as a GPU stands in for here."""
+    from megatron.longseq.pipeline.seq1f1b import Pipeline, forward_backward_seq1f1b
+    from tests.unit_tests.pipeline.test_nccl_queues import HIDDEN, MBS, _Chunk, _Recorder, _step
+
+    recorder = _Recorder()
+    monkeypatch.setattr(p2p.dist, "isend", recorder.isend)
+    monkeypatch.setattr(p2p.dist, "irecv", recorder.irecv)
+    chunk, handed = _Chunk(recorder.program).to("meta"), []
+    chunk.config.calculate_per_token_loss = True
+    chunk.config.finalize_model_grads_func = lambda chunks, tokens: handed.append(tokens)
+    links = {(purpose, src, dst): purpose for purpose in ("act", "grad") for src in (0, 1) for dst in (0, 1)}
+    forward_backward_seq1f1b(forward_step_func=_step, data_iterator=iter([{"tokens": torch.zeros(MBS, 4)}] * 2),
+                             model=[chunk], num_microbatches=2, micro_batch_size=MBS,
+                             p2p_communicator=Pipeline(2, 0, 1, [4], HIDDEN, links, [0, 1]))
+    (tokens,) = handed
+    assert tokens.device.type == "meta" and tokens.dtype == torch.int64 and tokens.dim() == 0
+
+
 # ---- process start-up ------------------------------------------------------------------------------
 
 def test_planned_allocator_is_installed_before_cuda_starts(monkeypatch):
