@@ -104,6 +104,9 @@ class GradBuffer:
         # such op, so there the sum is divided once it has arrived. Default: divide, then sum.
         self.average_in_collective = average and average_in_collective
         self.avg_op = self.average_in_collective and dist.get_backend(dp_group) == "nccl"
+        # NCCL gathers in place (its input at the output's rank offset), as megatron-core's buffer
+        # does: no copy of the shard a step; gloo takes a copy
+        self.gather_in_place = dist.get_backend(dp_group) == "nccl"
         self.shards = dist.get_world_size(dp_group) if shard else 1
         # every replica of the model: this group's ranks in every instance (gradients average over all)
         self.dp_size = dist.get_world_size(dp_group) * (dist.get_world_size(across) if self.across else 1)
@@ -258,7 +261,9 @@ class GradBuffer:
         """In place: this rank's owned slice of `piece` (laid out like `bucket`) to every shard.
         Returns the work handle and the input, which must live until the gather is done."""
         lo, hi = bucket.shard_range(self.dp_rank, self.shards)
-        mine = piece[lo - bucket.start : hi - bucket.start].clone()  # the output range contains the input range
+        mine = piece[lo - bucket.start : hi - bucket.start]
+        if not self.gather_in_place:  # the output range contains the input range
+            mine = mine.clone()
         return dist.all_gather_into_tensor(piece, mine, group=self.dp_group, async_op=async_op), mine
 
     def check_replicas(self, iteration: int) -> None:

@@ -297,6 +297,27 @@ def test_step_reductions_make_no_fragment_sized_temporaries():
     run_ranks(_check_step_reductions_make_no_fragment_sized_temporaries, 2)
 
 
+def _check_in_place_gather():
+    """The parameter all-gather as it runs on NCCL (in place: this rank's slice is the input, no
+    copy of it) gives the same weights, bit for bit, as the copying one gloo runs."""
+    from tests.unit_tests.alloc_count import CreatedTensors
+
+    results = []
+    for in_place in (False, True):
+        _, model, buffer, opt = _build(shard=True, overlap=False, bucket=50)
+        buffer.gather_in_place = in_place
+        with CreatedTensors() as created:
+            ddp_training(model, buffer, opt, steps=2)
+        results.append(buffer.param_data.clone())
+        clones = [c for c in created.created if "clone" in c[0]]
+        assert bool(clones) != in_place, clones
+    assert torch.equal(*results)
+
+
+def test_the_in_place_parameter_gather_gives_the_same_weights():
+    run_ranks(_check_in_place_gather, 2)
+
+
 class _GroupOfSize:
     """A data-parallel group as megatron-core's buffer asks it while laying itself out."""
 
