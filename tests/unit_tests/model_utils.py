@@ -8,9 +8,11 @@ from megatron.training.arguments import parse_args
 from megatron.training.model import build_gpt_model
 from megatron.training.validate import padded_vocab_size, validate_args
 
+# gloo: these are CPU tests also on a GPU machine, where validation would pick nccl and so build the
+# model on the GPU with megatron-core's fusions on, beside batches and MEMO runtimes made on the CPU
 TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
         "--train-iters 10 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 200 "
-        "--hidden-dropout 0 --attention-dropout 0")
+        "--hidden-dropout 0 --attention-dropout 0 --distributed-backend gloo")
 
 
 def tiny_args(extra: str = "", world_size: int = 1):

@@ -12,6 +12,7 @@ the peak, so the budget (--memo-host-memory-gb) can be checked against what was 
 from __future__ import annotations
 
 import contextlib
+import mmap
 import weakref
 from typing import List, Optional, Tuple
 
@@ -33,10 +34,19 @@ def host_empty(nbytes: int, pin: bool) -> torch.Tensor:
     """`nbytes` of host memory (pinned when `pin`), counted until the tensor is freed. Pinned by
     registering plain memory with CUDA, not through torch's pinned allocator: that one rounds every
     request up to a power of two and keeps freed blocks, so a pool and a budget counted in bytes
-    asked for would pin up to twice as much and keep it."""
-    t = torch.empty(nbytes, dtype=torch.uint8)
+    asked for would pin up to twice as much and keep it.
+
+    The memory is a mapping of its own that forked processes do not inherit (MADV_DONTFORK): Linux
+    copies pages pinned for DMA into a child at fork instead of sharing them, so every data-loader
+    worker started after MEMO pinned its pool would copy all of it (on an H100, 7B-shaped layers at
+    64K tokens: a 21 GiB pool, and the first iteration never came)."""
+    if not nbytes:
+        return torch.empty(0, dtype=torch.uint8)
+    region = mmap.mmap(-1, nbytes)  # anonymous, page-aligned; the tensor keeps it mapped
+    region.madvise(mmap.MADV_DONTFORK)
+    t = torch.frombuffer(region, dtype=torch.uint8)
     pinned_at = None
-    if pin and nbytes:
+    if pin:
         rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
         if int(rc) != 0:
             raise RuntimeError(f"MEMO: cannot pin {nbytes} bytes of host memory (cudaHostRegister error {int(rc)})")

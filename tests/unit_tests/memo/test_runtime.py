@@ -471,6 +471,28 @@ def test_pinned_host_memory_is_exactly_what_was_asked_and_unpinned_when_freed(mo
     assert len(calls) == 2  # unpinned on CPU
 
 
+def test_forked_processes_do_not_inherit_the_host_pool():
+    """Data-loader workers are forked after MEMO took its host memory. Pinned pages are copied into
+    a child at fork, not shared: on a GPU each worker would copy the whole pool (21 GiB at 64K
+    tokens on an H100 stalled the run). The child must not have the pool mapped at all."""
+    import os
+
+    from megatron.longseq.memo import streams
+
+    t = streams.host_empty(5 * 2**20 + 100, pin=False)
+    t.fill_(7)
+    start, end = t.data_ptr(), t.data_ptr() + t.numel()
+    pid = os.fork()
+    if pid == 0:  # the child: is any byte of the pool in one of its mappings?
+        with open("/proc/self/maps") as maps:
+            spans = [[int(x, 16) for x in line.split()[0].split("-")] for line in maps]
+        os._exit(1 if any(lo < end and start < hi for lo, hi in spans) else 0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "a forked child has the host pool mapped"
+    assert int(t.sum()) == 7 * t.numel()  # the parent's copy is whole
+    assert streams.host_empty(0, pin=True).numel() == 0
+
+
 class _SavesAnotherDevicesScalar(torch.autograd.Function):
     """What torch's SDPA does on a GPU with dropout: it saves its philox seed and offset as host
     scalars, which its backward reads through a host pointer (here a meta tensor stands for a tensor
