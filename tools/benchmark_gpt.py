@@ -68,8 +68,9 @@ def parse(stdout: str, warmup: int):
 
 
 # torch's "CUDA out of memory", the planned allocator's "out of device memory", cuDNN's and
-# cuBLAS's *_STATUS_ALLOC_FAILED
-OOM = re.compile(r"out of (device )?memory|OutOfMemoryError|ALLOC_FAILED", re.IGNORECASE)
+# cuBLAS's *_STATUS_ALLOC_FAILED, and NCCL's "Failed to CUDA calloc async 24 bytes" (on an H100 a
+# collective after a full device failed so, not the tensor allocation)
+OOM = re.compile(r"out of (device )?memory|OutOfMemoryError|ALLOC_FAILED|Failed to CUDA [cm]alloc", re.IGNORECASE)
 
 
 def run_pretrain(cmd, timeout: float, log_path=None):
@@ -97,7 +98,8 @@ class Runs:
             os.makedirs(args.log_dir, exist_ok=True)
 
     def __call__(self, cmd, name: str):
-        """(status: "ok", "out of memory", "timeout", "failed" or "not run (budget)"; the output)."""
+        """(status: "ok", "out of memory", "timeout", "stopped (budget)", "failed" or "not run
+        (budget)"; the output). A run still going when the budget ends is stopped there."""
         left = self.end - time.monotonic()
         if left <= 0:
             return "not run (budget)", ""
@@ -105,7 +107,8 @@ class Runs:
         code, text = run_pretrain(cmd, min(self.args.timeout, left), log)
         if code == 0:
             return "ok", text
-        status = "timeout" if code is None else "out of memory" if OOM.search(text) else "failed"
+        stopped = "timeout" if self.args.timeout <= left else "stopped (budget)"
+        status = stopped if code is None else "out of memory" if OOM.search(text) else "failed"
         if status == "failed":
             print(text[-3000:], file=sys.stderr, flush=True)
         return status, text
@@ -113,7 +116,8 @@ class Runs:
 
 def add_run_limits(p, timeout: float = 540.0) -> None:
     p.add_argument("--timeout", type=float, default=timeout, help="seconds one run may take")
-    p.add_argument("--budget", type=float, default=float("inf"), help="seconds after which no run starts")
+    p.add_argument("--budget", type=float, default=float("inf"),
+                   help="seconds after which no run starts and a running one is stopped")
     p.add_argument("--log-dir", help="keep each run's output here")
 
 

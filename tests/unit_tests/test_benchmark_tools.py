@@ -20,6 +20,7 @@ from tools import benchmark_gpt, benchmark_memo
     ("megatron-longseq planned allocator: out of device memory (arena 70.1 GiB)", True),
     ("RuntimeError: cuDNN error: CUDNN_STATUS_ALLOC_FAILED", True),
     ("CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate(handle)", True),
+    ("ncclUnhandledCudaError: Call to CUDA function failed.\nLast error:\nFailed to CUDA calloc async 24 bytes", True),
     ("RuntimeError: NCCL error: unhandled system error", False),
 ])
 def test_out_of_memory_is_told_from_other_failures(text, oom):
@@ -52,6 +53,9 @@ def test_no_run_starts_past_the_budget_and_failures_are_named(tmp_path):
     assert runs([sys.executable, "-c", oom], "oom")[0] == "out of memory"
     spent = benchmark_gpt.Runs(_limits(tmp_path, budget=0), "memo")
     assert spent([sys.executable, "-c", "print()"], "late") == ("not run (budget)", "")
+    # stopped by the budget before its own --timeout: said so, not called a timeout
+    short = benchmark_gpt.Runs(_limits(tmp_path, timeout=60, budget=1), "memo")
+    assert short([sys.executable, "-c", "import time; time.sleep(30)"], "cut")[0] == "stopped (budget)"
 
 
 def _trainer_output(monkeypatch, peaks):
