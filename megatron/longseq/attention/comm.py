@@ -15,6 +15,12 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _backend(group):
+    """torch.distributed, or the group itself where it is an in-process loopback group
+    (loopback.py: every rank of a group on one device), which takes the same calls."""
+    return group if getattr(group, "loopback", False) else dist
+
+
 # ---- Ulysses SeqAlltoAll ---------------------------------------------------------------------
 
 def _pieces(flat: torch.Tensor, s: int, b: int, d: int, head_counts: List[int]):
@@ -35,8 +41,8 @@ def _scatter_heads_gather_seq(x, group, head_counts: List[int], my_rank: int):
         piece.copy_(x[:, :, start : start + n])
     mine = head_counts[my_rank]
     recv = torch.empty(len(head_counts) * s * b * mine * d, dtype=x.dtype, device=x.device)
-    dist.all_to_all_single(recv, send, [s * b * mine * d] * len(head_counts),
-                           [s * b * n * d for n in head_counts], group=group)
+    _backend(group).all_to_all_single(recv, send, [s * b * mine * d] * len(head_counts),
+                                      [s * b * n * d for n in head_counts], group=group)
     return recv.view(len(head_counts) * s, b, mine, d)  # sources in rank order = sequence order
 
 
@@ -49,8 +55,8 @@ def _scatter_seq_gather_heads(x, group, head_counts: List[int], my_rank: int):
     s = S // hp
     send = x.contiguous().view(-1)  # sequence is the outer dim: destination i gets rows i*s..
     recv = torch.empty(s * b * sum(head_counts) * d, dtype=x.dtype, device=x.device)
-    dist.all_to_all_single(recv, send, [s * b * n * d for n in head_counts], [s * b * mine * d] * hp,
-                           group=group)
+    _backend(group).all_to_all_single(recv, send, [s * b * n * d for n in head_counts],
+                                      [s * b * mine * d] * hp, group=group)
     out = torch.empty(s, b, sum(head_counts), d, dtype=x.dtype, device=x.device)
     for start, n, piece in _pieces(recv, s, b, d, head_counts):  # source i's heads
         out[:, :, start : start + n].copy_(piece)
@@ -104,7 +110,7 @@ class RingComm:
         group's communicator at its first call, and a batch of P2P ops may be that call only if
         every member is in it -- a ring that skips transfers (route.py) leaves some out."""
         if not self.connected:
-            dist.all_reduce(torch.zeros(1, device=device), group=self.group)
+            _backend(self.group).all_reduce(torch.zeros(1, device=device), group=self.group)
             self.connected = True
 
     def peer(self, offset: int) -> int:
@@ -116,13 +122,23 @@ class RingComm:
         caller reuses) as one batch; returns a _Pending, or None when both lists are empty. Every
         member posts the matching half of each pair in the same step, so batches pair up (NCCL
         runs each as one group)."""
-        ops = [dist.P2POp(dist.isend, t, self.peer(off), self.group) for t, off in sends]
-        ops += [dist.P2POp(dist.irecv, buf, self.peer(off), self.group) for buf, off in recvs]
-        if not ops:
+        if not sends and not recvs:
             return None
         for t, _ in sends:
             LEDGER.record(layer, phase, "p2p", self.axis, _nbytes(t))
-        return _Pending(dist.batch_isend_irecv(ops), [buf for buf, _ in recvs], [t for t, _ in sends])
+        requests = _start_batch(self.group, [(t, self.peer(off)) for t, off in sends],
+                                [(buf, self.peer(off)) for buf, off in recvs])
+        return _Pending(requests, [buf for buf, _ in recvs], [t for t, _ in sends])
+
+
+def _start_batch(group, sends, recvs) -> list:
+    """Sends [(tensor, global rank)] and receives [(buffer, global rank)] as one batch; its
+    requests (a loopback group's own, which P2POp would refuse: it is no registered group)."""
+    if getattr(group, "loopback", False):
+        return group.batch(sends, recvs)
+    ops = [dist.P2POp(dist.isend, t, peer, group) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, buf, peer, group) for buf, peer in recvs]
+    return dist.batch_isend_irecv(ops)
 
 
 class _Pending:

@@ -17,11 +17,11 @@ from tests.unit_tests.dist_utils import grid_groups, init_single_rank_world, run
 S, B, D = 32, 2, 8
 
 
-def full_problem(heads, groups, seed=0):
+def full_problem(heads, groups, seed=0, s=S, b=B, d=D):
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(S, B, n, D, generator=g) for n in (heads, groups, groups))
-    dout = torch.randn(S, B, heads * D, generator=g)
-    positions = torch.arange(S).expand(B, S)
+    q, k, v = (torch.randn(s, b, n, d, generator=g) for n in (heads, groups, groups))
+    dout = torch.randn(s, b, heads * d, generator=g)
+    positions = torch.arange(s).expand(b, s)
     leaves = [x.double().requires_grad_() for x in (q, k, v)]
     ref = reference(*leaves, positions)
     ref.backward(dout.double())

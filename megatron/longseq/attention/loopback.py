@@ -1,0 +1,157 @@
+"""Every rank of one context-parallel group on one device: a process per rank, joined by loopback
+groups that take the calls the attention makes on torch.distributed (all_to_all_single,
+all_reduce, a batch of sends and receives) on the same buffers.
+
+Why: one GPU cannot host two NCCL ranks, yet the GPU kernels of ring, double-ring, Ulysses and 2D
+attention must see the slices, strides and dtypes of a multi-GPU run. Here they do: the attention
+code is the trainer's (comm.py sends a call to a loopback group instead of torch.distributed), and
+only the transport differs -- tensors travel through the host between processes, so a message
+costs a copy out and a copy in, and timings of a loopback run mean nothing.
+
+Processes, not threads: autograd runs the backward of CUDA tensors on one engine thread per
+device, so two ranks' backwards in one process would wait for each other's messages on that one
+thread forever.
+"""
+from __future__ import annotations
+
+import collections
+import io
+import queue
+from typing import Callable, Dict, List, Sequence
+
+import torch
+import torch.multiprocessing as mp
+
+from megatron.longseq.parallel_state import ProcessGroups, RankGrid
+
+CP_GROUPS = ("cp", "hp", "ring", "inner", "outer")
+TIMEOUT = 300.0  # seconds a receive waits: a rank that failed leaves its peers waiting
+
+
+class Mailbox:
+    """This rank's inbound queue, with the messages that came before they were asked for."""
+
+    def __init__(self, rank: int, queues: Sequence):
+        self.rank, self.queues = rank, queues
+        self.early: Dict[tuple, collections.deque] = collections.defaultdict(collections.deque)
+
+    def send(self, group: str, dst: int, tensor: torch.Tensor) -> None:
+        # serialised now: the sender may reuse its buffer once the batch is waited for, and may
+        # exit before the message is read (a shared tensor would die with it)
+        self.queues[dst].put((group, self.rank, _dumps(tensor)))
+
+    def receive(self, group: str, src: int) -> torch.Tensor:
+        """The next message from `src` on `group`: per sender and group in order, as NCCL's."""
+        key = (group, src)
+        while not self.early[key]:
+            try:
+                name, sender, tensor = self.queues[self.rank].get(timeout=TIMEOUT)
+            except queue.Empty:
+                raise TimeoutError(f"loopback rank {self.rank}: nothing from rank {src} on {group} "
+                                   f"in {TIMEOUT:.0f} s") from None
+            self.early[(name, sender)].append(tensor)
+        return _loads(self.early[key].popleft())
+
+
+class _Done:
+    """What batch_isend_irecv returns per op: the receive happens in wait()."""
+
+    def __init__(self, finish: Callable[[], None] = lambda: None):
+        self.finish = finish
+
+    def wait(self) -> bool:
+        self.finish()
+        return True
+
+
+class LoopbackGroup:
+    """One named group of this rank, taking torch.distributed's calls (comm.py's `_backend`)."""
+
+    loopback = True
+
+    def __init__(self, name: str, members: List[int], mailbox: Mailbox):
+        self.name, self.members, self.mailbox = name, members, mailbox
+
+    def size(self) -> int:
+        return len(self.members)
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, group=None):
+        """Piece i of `input` to member i; member i's piece for us into piece i of `output`
+        (flat buffers, split sizes in elements, as comm.py calls it)."""
+        for dst, piece in zip(self.members, torch.split(input, input_split_sizes)):
+            self.mailbox.send(self.name, dst, piece)
+        for src, piece in zip(self.members, torch.split(output, output_split_sizes)):
+            piece.copy_(self.mailbox.receive(self.name, src))
+
+    def all_reduce(self, tensor, group=None):
+        for dst in self.members:
+            self.mailbox.send(self.name, dst, tensor)
+        total = sum(self.mailbox.receive(self.name, src).to(tensor.device) for src in self.members)
+        tensor.copy_(total)
+
+    def batch(self, sends, recvs) -> List[_Done]:
+        """Sends [(tensor, rank)] go out now; each receive [(buffer, rank)] fills its buffer when
+        its request is waited for (comm.py's `_start_batch`)."""
+        for t, dst in sends:
+            self.mailbox.send(self.name, dst, t)
+        return [_Done() for _ in sends] + [
+            _Done(lambda buf=buf, src=src: buf.copy_(self.mailbox.receive(self.name, src))) for buf, src in recvs]
+
+
+def loopback_groups(grid: RankGrid, rank: int, mailbox: Mailbox) -> ProcessGroups:
+    """This rank's context-parallel groups of `grid` (tp = dp = pp = 1) as loopback groups,
+    members from the grid as build_process_groups takes them."""
+    if grid.world_size != grid.cp:
+        raise ValueError(f"a loopback run holds one context-parallel group, not {grid.describe()}")
+    pgs = ProcessGroups(grid=grid, rank=rank)
+    for name, group_list in grid.all_groups().items():
+        for members in group_list:
+            if rank in members:
+                pgs.members[name] = members
+                pgs.groups[name] = LoopbackGroup(name, members, mailbox) if name in CP_GROUPS else None
+    return pgs
+
+
+def _dumps(obj) -> bytes:
+    """Tensors (anywhere in obj) as host bytes, dtype and strides kept."""
+    buf = io.BytesIO()
+    torch.save(_to_host(obj), buf)
+    return buf.getvalue()
+
+
+def _loads(data: bytes):
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def _to_host(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_to_host(x) for x in obj)
+    return obj
+
+
+def _entry(rank: int, fn, grid: RankGrid, queues, results, args) -> None:
+    torch.set_num_threads(1)
+    results.put((rank, _dumps(fn(loopback_groups(grid, rank, Mailbox(rank, queues)), *args))))
+
+
+def run_group(fn, grid: RankGrid, *args, start_method: str = "spawn") -> list:
+    """fn(pgs, *args) on every rank of `grid` (one context-parallel group), each a process of its
+    own; their results by rank, tensors on the host. fn must be a module-level function. A
+    process never forked from one that started CUDA: "spawn", or a preloaded "forkserver"."""
+    ctx = mp.get_context(start_method)
+    queues = [ctx.Queue() for _ in range(grid.world_size)]
+    results = ctx.Queue()
+    procs = mp.start_processes(_entry, args=(fn, grid, queues, results, args), nprocs=grid.world_size,
+                               join=False, start_method=start_method)
+    out = {}
+    while len(out) < grid.world_size:
+        try:
+            rank, data = results.get(timeout=1.0)
+            out[rank] = _loads(data)
+        except queue.Empty:
+            procs.join(timeout=0)  # raises with a failed rank's traceback
+    while not procs.join():
+        pass
+    return [out[r] for r in range(grid.world_size)]
