@@ -19,6 +19,12 @@ fwd+bwd time, the causal work the documents leave, and the kernel calls of one f
 calls where the kernel has a variable-length entry, one dense call per piece where not). The
 document layout and its plans are made by the first call and reused, as every layer after the
 first of a micro-batch reuses them; their one-off host time is reported beside.
+
+With --ring R [R ...] a third table times the load-balanced ring's blocks: the forward and
+backward of all R ring positions (each position's chunks j and 2R-1-j, Megatron's placement) run
+one after another on this device -- threads joined by loopback groups (attention/loopback.py),
+the trainer's ring_forward/ring_backward, fp32 merges and accumulators included, communication
+replaced by device copies -- against the bare kernel over the whole sequence.
 """
 from __future__ import annotations
 
@@ -38,8 +44,13 @@ from megatron.longseq.attention import varlen  # noqa: E402
 from megatron.longseq.attention.core import AttentionInputs, LongSeqCoreAttention  # noqa: E402
 from megatron.longseq.attention.documents import causal_work, lognormal_starts  # noqa: E402
 from megatron.longseq.attention.placement import DocumentLayout  # noqa: E402
-from megatron.longseq.attention.kernels import default_scale, select_kernel  # noqa: E402
+from megatron.longseq.attention.context_parallel import ContextParallel  # noqa: E402
+from megatron.longseq.attention.kernels import default_scale, grad_like, select_kernel  # noqa: E402
+from megatron.longseq.attention.loopback import run_threads  # noqa: E402
+from megatron.longseq.attention.placement import local_token_indices  # noqa: E402
+from megatron.longseq.attention.ring import ring_backward, ring_forward  # noqa: E402
 from megatron.longseq.config import LongSeqConfig  # noqa: E402
+from megatron.longseq.parallel_state import RankGrid  # noqa: E402
 
 
 def sync(device):
@@ -175,6 +186,47 @@ def packed_table(args, device, dtype) -> None:
               f"{calls['varlen']} varlen, {calls['dense']} dense | {layout * 1e3:.1f} |", flush=True)
 
 
+def ring_position(pgs, leaves, dout, kernel, scale):
+    """One ring position's forward and backward of its chunks, as the trainer's ring runs them."""
+    rc = ContextParallel.from_process_groups(pgs).ring
+    idx = local_token_indices(leaves[0].shape[0], 1, rc.size, 0, rc.ring_index)
+    local = [x.detach()[idx] for x in leaves]  # [s/R, b, h, d], contiguous as after the all-to-all
+    q, k, v, dout_k = kernel_views(local, dout[idx])
+    # what the ring's autograd function does around the two (called directly: autograd runs CUDA
+    # backwards on one thread, where these positions would wait for each other)
+    out, lse = ring_forward(q, k, v, rc, kernel, scale)
+    out = out.to(q.dtype)
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    dkv = ring_backward(grad_like(dout_k, out), q, k, v, out, lse, rc, kernel, scale, dq=dq)
+    return dq.to(q.dtype), dkv.to(k.dtype)
+
+
+def bench_ring(seq, args, device, dtype):
+    """{R: seconds of R positions' fwd+bwd, one after another}, and the bare kernel's seconds."""
+    kernel, bare, _, _ = steps(seq, args, device, dtype)
+    leaves, dout = inputs(seq, args, device, dtype)
+    scale = default_scale(args.head_dim, None)
+    times = {}
+    for r in args.ring:
+        grid = RankGrid(world_size=r, cp=r)
+        times[r] = timed(lambda: run_threads(ring_position, grid, leaves, dout, kernel, scale), device,
+                         max(args.warmup, 1), args.iters)
+    return times, timed(bare, device, args.warmup, args.iters)
+
+
+def ring_table(args, device, dtype) -> None:
+    print("\nload-balanced ring blocks, all positions on this device, against the whole-sequence kernel")
+    print("| seq | kernel fwd+bwd ms | " + " | ".join(f"R={r} ms | R={r} / kernel" for r in args.ring) + " |")
+    print("| --- | --- | " + " | ".join("--- | ---" for _ in args.ring) + " |")
+    for seq in args.seq_lengths:
+        measured = out_of_memory_row(bench_ring, seq, args, device, dtype)
+        if measured is None:
+            continue
+        times, whole = measured
+        cells = " | ".join(f"{times[r] * 1e3:.2f} | {times[r] / whole:.3f}" for r in args.ring)
+        print(f"| {seq} | {whole * 1e3:.2f} | {cells} |", flush=True)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seq-lengths", type=int, nargs="+", default=[32768, 65536, 131072])
@@ -188,6 +240,8 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--documents", type=float, metavar="MEAN",
                    help="also time packed samples of log-normal documents of this mean length")
+    p.add_argument("--ring", type=int, nargs="+", metavar="R", default=[],
+                   help="also time the load-balanced blocks of rings of R positions")
     args = p.parse_args(argv)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
@@ -206,6 +260,8 @@ def main(argv=None):
               f"{flops / tk / 1e12:.2f} | {flops / to / 1e12:.2f} |", flush=True)
     if args.documents:
         packed_table(args, device, dtype)
+    if args.ring:
+        ring_table(args, device, dtype)
 
 
 if __name__ == "__main__":

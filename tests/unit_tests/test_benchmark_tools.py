@@ -119,6 +119,30 @@ def test_our_attention_step_adds_no_tensor_of_q_size_to_the_bare_kernels():
     assert counts[0] and counts[1] == counts[2] == counts[0], (kernel.name, counts)
 
 
+@pytest.mark.parametrize("ring", [2, 4])
+def test_the_ring_table_times_the_whole_sequences_gradients(ring):
+    """--ring's positions, threads joined by loopback groups, do the work of the whole-sequence
+    kernel between them: their dq and dK/dV, put together, are its gradients (fp32: the blocks'
+    merges and accumulations reorder sums, ~1e-6)."""
+    from megatron.longseq.attention.kernels import default_scale, select_kernel
+    from megatron.longseq.attention.loopback import run_threads
+    from megatron.longseq.attention.placement import local_token_indices
+    from megatron.longseq.parallel_state import RankGrid
+    from tools.benchmark_attention import inputs, kernel_views, ring_position
+
+    args, device = SimpleNamespace(batch=2, heads=4, kv_heads=2, head_dim=16), torch.device("cpu")
+    leaves, dout = inputs(64, args, device, torch.float32)
+    kernel, scale = select_kernel("auto", device, torch.float32, 16), default_scale(16, None)
+    ranks = run_threads(ring_position, RankGrid(world_size=ring, cp=ring), leaves, dout, kernel, scale)
+    q, k, v, dout_k = kernel_views(leaves, dout)
+    out, lse = kernel.forward(q, k, v, True, scale)
+    want = kernel.backward(dout_k, q, k, v, out, lse, True, scale)
+    for j, (dq, dkv) in enumerate(ranks):
+        idx = local_token_indices(64, 1, ring, 0, j)
+        for got, ref in ((dq, want[0]), (dkv[0], want[1]), (dkv[1], want[2])):
+            torch.testing.assert_close(got, ref[:, :, idx], atol=1e-5, rtol=1e-5)
+
+
 def test_a_length_out_of_memory_gets_its_row_and_the_next_one_runs(capsys):
     from tools.benchmark_attention import out_of_memory_row
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import io
 import queue
+import threading
 from typing import Callable, Dict, List, Sequence
 
 import torch
@@ -29,16 +30,18 @@ TIMEOUT = 300.0  # seconds a receive waits: a rank that failed leaves its peers 
 
 
 class Mailbox:
-    """This rank's inbound queue, with the messages that came before they were asked for."""
+    """This rank's inbound queue, with the messages that came before they were asked for.
+    Between processes a message is serialised when sent: the sender may reuse its buffer once the
+    batch is waited for, and may exit before the message is read (a shared tensor would die with
+    it). Between threads it is a copy on the same device and stream."""
 
-    def __init__(self, rank: int, queues: Sequence):
+    def __init__(self, rank: int, queues: Sequence, threads: bool = False):
         self.rank, self.queues = rank, queues
+        self.pack, self.unpack = (torch.Tensor.clone, lambda t: t) if threads else (_dumps, _loads)
         self.early: Dict[tuple, collections.deque] = collections.defaultdict(collections.deque)
 
     def send(self, group: str, dst: int, tensor: torch.Tensor) -> None:
-        # serialised now: the sender may reuse its buffer once the batch is waited for, and may
-        # exit before the message is read (a shared tensor would die with it)
-        self.queues[dst].put((group, self.rank, _dumps(tensor)))
+        self.queues[dst].put((group, self.rank, self.pack(tensor.detach())))
 
     def receive(self, group: str, src: int) -> torch.Tensor:
         """The next message from `src` on `group`: per sender and group in order, as NCCL's."""
@@ -50,7 +53,7 @@ class Mailbox:
                 raise TimeoutError(f"loopback rank {self.rank}: nothing from rank {src} on {group} "
                                    f"in {TIMEOUT:.0f} s") from None
             self.early[(name, sender)].append(tensor)
-        return _loads(self.early[key].popleft())
+        return self.unpack(self.early[key].popleft())
 
 
 class _Done:
@@ -155,3 +158,26 @@ def run_group(fn, grid: RankGrid, *args, start_method: str = "spawn") -> list:
     while not procs.join():
         pass
     return [out[r] for r in range(grid.world_size)]
+
+
+def run_threads(fn, grid: RankGrid, *args) -> list:
+    """fn(pgs, *args) on every rank of `grid` as threads of this process, messages copied on the
+    device; their results by rank. Only for work that calls no autograd backward on CUDA (see
+    above): the ring's forward and backward functions called directly, as the benchmark does."""
+    queues = [queue.Queue() for _ in range(grid.world_size)]
+    out, failed = [None] * grid.world_size, []
+
+    def rank_main(rank):
+        try:
+            out[rank] = fn(loopback_groups(grid, rank, Mailbox(rank, queues, threads=True)), *args)
+        except BaseException as e:  # noqa: B036 -- handed to the caller below
+            failed.append(e)
+
+    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(grid.world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if failed:
+        raise failed[0]
+    return out
