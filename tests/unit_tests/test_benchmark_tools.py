@@ -153,3 +153,38 @@ def test_a_length_out_of_memory_gets_its_row_and_the_next_one_runs(capsys):
     device = torch.device("cpu")
     assert [out_of_memory_row(measure, s, None, device, None) for s in (200, 50)] == [None, 50]
     assert capsys.readouterr().out == "| 200 | out of memory |\n"
+
+
+def test_gpu_suite_dry_run_on_cpu(tmp_path, capsys, monkeypatch):
+    """tools/gpu_suite.py without CUDA: a part that needs it says so in one line; the attention
+    part runs its tiny CPU version end to end; suite.md, suite.json and suite.log are written."""
+    import json
+
+    from tools import gpu_suite
+
+    monkeypatch.setattr(gpu_suite, "device_name", lambda: "CPU")  # the dry run also on a GPU machine
+    assert gpu_suite.main([str(tmp_path), "--parts", "tests", "bandwidth", "attention"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert "tests: needs CUDA, skipped" in printed and "bandwidth: needs CUDA, skipped" in printed
+    report = json.loads((tmp_path / "suite.json").read_text())
+    assert report["parts"]["tests"] == {"status": "skipped (needs CUDA)"}
+    assert [r["status"] for r in report["parts"]["attention"]["commands"]] == ["ok"]
+    md = (tmp_path / "suite.md").read_text()
+    assert "load-balanced ring blocks" in md and "| 256 | torch-cpu-flash |" in md
+    assert "#### attention/bench: tools/benchmark_attention.py" in (tmp_path / "suite.log").read_text()
+
+
+def test_gpu_suite_budget_and_smoke_table(tmp_path):
+    """Past the budget no command starts; each feature's curve is compared with the plain run's,
+    except packed documents (they attend within documents: another model)."""
+    from tools import gpu_suite
+
+    suite = gpu_suite.Suite(tmp_path, 0.0, cuda=False)
+    assert suite.command("x", [sys.executable, "-c", "print()"], 10)[0] == "not run (budget)"
+    suite.close()
+    line = "lm loss: {} | elapsed time per iteration (ms): 10.0\n"
+    runs = {"plain": ("ok", line.format("2.0E+00") * 3), "MEMO": ("ok", line.format("2.5E+00") * 3),
+            "packed documents": ("ok", line.format("1.0E+00") * 3)}
+    rows = gpu_suite.smoke_table(runs)[2:]
+    assert rows == ["| plain | ok | 3 | 2.000000 | 0 | 10.0 |", "| MEMO | ok | 3 | 2.500000 | 0.5 | 10.0 |",
+                    "| packed documents | ok | 3 | 1.000000 | n/a | 10.0 |"]

@@ -1,0 +1,247 @@
+"""The GPU battery in one command: tests, benchmarks and feature runs, every result under OUT.
+
+    python tools/gpu_suite.py OUT                                  # every part, in order
+    python tools/gpu_suite.py OUT --parts tests attention smoke --budget 540   # one device command
+
+Parts (their usual seconds on one H100 in brackets):
+  tests      the GPU unit tests: kernels, varlen, GPU contracts, the one-device context-parallel
+             harness (ring, double ring, Ulysses, 2D: fp32 vs float64, bf16 vs fp32), MEMO and its
+             planned allocator, GPU paths [~200]
+  attention  our attention step against the bare kernel at 32K-128K, packed 128K documents, and the
+             load-balanced ring's blocks (R = 2, 4, 8) against one kernel [~150]
+  bandwidth  pinned host <-> device copies, MEMO's LP input [~10]
+  smoke      pretrain_gpt.py in bf16 with each feature at degree 1 (recompute, Selective
+             Checkpoint++, MEMO, Seq1F1B segments, packed documents): its loss curve against
+             the plain run's [~250]
+  gpt        GPT 1.3B tokens/s and MFU at 4K-32K [~330]
+  memo       7B-shaped layers: the longest sequence under no / full recomputation and MEMO, and
+             fragmentation with the caching and the planned allocator [~540 a mode]
+A device command has 10 minutes: give each call the parts that fit and --budget (no command starts
+after it, a running one is stopped there). Writes OUT/suite.md (every table, each part with its
+device, date and commands), OUT/suite.json (each part's status, seconds and commands) and
+OUT/suite.log (every command's whole output). Without CUDA each part runs its dry version on CPU
+(tiny shapes: does everything run end to end) or, where it has none, says in one line that it
+needs CUDA.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmark_gpt import OOM, device_name, run_pretrain, shown  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+GPU_TESTS = ["tests/unit_tests/attention/test_kernels.py", "tests/unit_tests/attention/test_varlen.py",
+             "tests/unit_tests/attention/test_gpu_contract.py", "tests/unit_tests/attention/test_loopback.py",
+             "tests/unit_tests/memo", "tests/unit_tests/training/test_gpu_paths.py",
+             "tests/unit_tests/test_random.py", "tests/unit_tests/pipeline/test_p2p.py"]
+
+# pretrain_gpt.py's runs of the smoke part: a small Llama-shaped GPT on mock data (its samples
+# hold several documents: --reset-attention-mask has something to do)
+SMOKE_MODEL = ("--num-layers 4 --hidden-size 1024 --num-attention-heads 16 --group-query-attention "
+               "--num-query-groups 4 --swiglu --normalization RMSNorm --position-embedding-type rope "
+               "--disable-bias-linear --seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 1 "
+               "--global-batch-size 4 --train-iters 20 --lr 3e-4 --lr-warmup-iters 2 --hidden-dropout 0 "
+               "--attention-dropout 0 --mock-data --tokenizer-type NullTokenizer --vocab-size 32000 "
+               "--log-interval 1 --eval-iters 0 --seed 1234 --bf16")
+SMOKE_MODEL_CPU = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --group-query-attention "
+                   "--num-query-groups 2 --swiglu --normalization RMSNorm --position-embedding-type rope "
+                   "--disable-bias-linear --seq-length 128 --max-position-embeddings 128 --micro-batch-size 1 "
+                   "--global-batch-size 4 --train-iters 4 --lr 3e-4 --lr-warmup-iters 2 --hidden-dropout 0 "
+                   "--attention-dropout 0 --mock-data --tokenizer-type NullTokenizer --vocab-size 512 "
+                   "--log-interval 1 --eval-iters 0 --seed 1234 --num-workers 0")
+FULL = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+FEATURES = {  # name: (flags, whether its loss curve must be the plain run's)
+    "plain": ("", True),
+    "full recompute": (FULL, True),
+    "selective recompute": ("--recompute-granularity selective", True),
+    "Selective Checkpoint++": (f"{FULL} --selective-checkpoint-pp", True),
+    "MEMO": ("--memo --memo-swap-fraction auto --memo-planner greedy", True),
+    "Seq1F1B K=2": ("--pipe-sp-splits 2 --pipe-sp-strategy uniform_comp", True),
+    "packed documents": ("--reset-attention-mask --reset-position-ids", False),  # attends within documents
+}
+
+
+def tool(name, *flags) -> list:
+    return [PY, str(ROOT / "tools" / name), *flags]
+
+
+def _tests(cuda: bool, out: Path):
+    if not cuda:
+        return None
+    return [("pytest", [PY, "-m", "pytest", "-q", "-n", "8", "-p", "no:cacheprovider", *GPU_TESTS], 400)]
+
+
+def _attention(cuda: bool, out: Path):
+    if cuda:
+        return [("bench", tool("benchmark_attention.py", "--documents", "4096", "--ring", "2", "4", "8"), 300)]
+    tiny = ["--seq-lengths", "256", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--dtype", "fp32",
+            "--iters", "1", "--warmup", "1"]
+    return [("bench", tool("benchmark_attention.py", *tiny, "--documents", "64", "--ring", "2", "4"), 300)]
+
+
+def _bandwidth(cuda: bool, out: Path):
+    if not cuda:
+        return None
+    return [("copies", [PY, "-c", BANDWIDTH], 60)]
+
+
+BANDWIDTH = """
+import torch
+from megatron.longseq.memo.profiler import copy_rate
+from megatron.longseq.memo.streams import host_empty
+dev = torch.device("cuda", 0)
+print("| bytes per copy | host to device GB/s | device to host GB/s |")
+print("| --- | --- | --- |")
+for mb in (64, 256, 1024):
+    n = mb * 2**20
+    d, h = torch.empty(n, dtype=torch.uint8, device=dev), host_empty(n, pin=True)
+    print(f"| {mb} MiB | {copy_rate(d, h, dev) / 1e9:.1f} | {copy_rate(h, d, dev) / 1e9:.1f} |")
+"""
+
+
+def _smoke(cuda: bool, out: Path):
+    model = SMOKE_MODEL if cuda else SMOKE_MODEL_CPU
+    return [(name, [PY, str(ROOT / "pretrain_gpt.py"), *model.split(), *flags.split()], 240)
+            for name, (flags, _) in FEATURES.items()]
+
+
+def _gpt(cuda: bool, out: Path):
+    if cuda:
+        return [("bench", tool("benchmark_gpt.py", "--timeout", "150", "--log-dir", "/tmp/gpu_suite_gpt"), 600)]
+    return [("bench", tool("benchmark_gpt.py", "--model", "tiny", "--seq-lengths", "128", "--iters", "3",
+                           "--warmup", "1", "--no-bf16", "--", "--num-workers", "0"), 300)]
+
+
+def _memo(cuda: bool, out: Path):
+    if cuda:
+        return [(mode, tool("benchmark_memo.py", "--modes", mode, "--seq-lengths", "16384", "32768", "65536",
+                            "131072", "--iters", "4", "--warmup", "2", "--timeout", "170",
+                            "--log-dir", "/tmp/gpu_suite_memo"), 600)
+                for mode in ("none", "full", "memo", "memo-planned")]
+    return [("memo", tool("benchmark_memo.py", "--shape", "tiny", "--num-layers", "4", "--no-bf16", "--modes",
+                          "none", "memo", "--seq-lengths", "128", "--iters", "3", "--warmup", "1"), 300)]
+
+
+PARTS = {"tests": _tests, "attention": _attention, "bandwidth": _bandwidth, "smoke": _smoke, "gpt": _gpt,
+         "memo": _memo}
+
+
+def table_lines(text: str) -> list:
+    """The tables a tool printed: lines starting with '|' or 'device:', and each table's heading."""
+    lines = text.splitlines()
+    keep = []
+    for i, line in enumerate(lines):
+        follows = i + 1 < len(lines) and lines[i + 1].startswith("|")
+        if line.startswith(("|", "device:")) or (follows and line.strip() and not line.startswith("|")):
+            keep.append(line)
+    return keep
+
+
+LOSS = re.compile(r"lm loss: ([-+0-9.eE]+|nan|inf)")
+MS = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
+
+
+def smoke_table(results: dict) -> list:
+    """Each feature's loss curve against the plain run's (the same seed, data and model)."""
+    rows = ["| feature | status | iterations | last lm loss | max abs loss diff vs plain | ms/iter after 2 |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    plain = [float(x) for x in LOSS.findall(results.get("plain", ("", ""))[1])]
+    for name, (status, text) in results.items():
+        losses = [float(x) for x in LOSS.findall(text)]
+        ms = [float(x) for x in MS.findall(text)][2:]
+        diffs = [abs(a - b) for a, b in zip(losses, plain)]
+        diff = f"{max(diffs):.3g}" if diffs and FEATURES[name][1] else "n/a" if diffs else ""
+        last = f"{losses[-1]:.6f}" if losses else ""
+        speed = f"{sum(ms) / len(ms):.1f}" if ms else ""
+        rows.append(f"| {name} | {status} | {len(losses)} | {last} | {diff} | {speed} |")
+    return rows
+
+
+class Suite:
+    def __init__(self, out: Path, budget: float, cuda: bool):
+        self.out, self.end, self.cuda = out, time.monotonic() + budget, cuda
+        self.report = {"device": device_name(), "date": str(datetime.date.today()), "cuda": cuda, "parts": {}}
+        self.md = [f"# GPU suite: {self.report['device']}, {self.report['date']}", ""]
+        out.mkdir(parents=True, exist_ok=True)
+        self.log = open(out / "suite.log", "w")
+
+    def command(self, label: str, cmd: list, timeout: float) -> tuple:
+        """(status, output, seconds) of one command, within its timeout and the budget."""
+        left = self.end - time.monotonic()
+        if left <= 0:
+            return "not run (budget)", "", 0.0
+        start = time.monotonic()
+        code, text = run_pretrain(cmd, min(timeout, left))
+        seconds = time.monotonic() - start
+        status = "ok" if code == 0 else ("timeout" if timeout <= left else "stopped (budget)") if code is None \
+            else "out of memory" if OOM.search(text) else f"failed (exit {code})"
+        self.log.write(f"\n#### {label}: {shown(cmd)}\n#### {status} in {seconds:.0f} s\n{text}")
+        self.log.flush()
+        return status, text, seconds
+
+    def part(self, name: str) -> bool:
+        """Run one part; False if a command of it did not end well."""
+        commands = PARTS[name](self.cuda, self.out)
+        print(f"== {name}", flush=True)
+        if commands is None:
+            print(f"{name}: needs CUDA, skipped", flush=True)
+            self.md += [f"## {name}", "", "needs CUDA, skipped", ""]
+            self.report["parts"][name] = {"status": "skipped (needs CUDA)"}
+            return True
+        self.md += [f"## {name}", ""]
+        runs, results = [], {}
+        for label, cmd, timeout in commands:
+            status, text, seconds = self.command(f"{name}/{label}", cmd, timeout)
+            print(f"{name}/{label}: {status} in {seconds:.0f} s", flush=True)
+            runs.append({"label": label, "command": shown(cmd), "status": status, "seconds": round(seconds, 1)})
+            results[label] = (status, text)
+            if name != "smoke":
+                self.md += [f"`{shown(cmd)}`: {status}, {seconds:.0f} s", ""] + self._tables(name, text) + [""]
+        if name == "smoke":
+            self.md += smoke_table(results) + ["", "Commands:", ""] + [f"- {r['label']}: `{r['command']}`" for r in runs]
+            self.md.append("")
+        ok = all(r["status"] == "ok" for r in runs)
+        self.report["parts"][name] = {"status": "ok" if ok else "not all ok", "commands": runs}
+        return ok
+
+    @staticmethod
+    def _tables(name: str, text: str) -> list:
+        if name == "tests":
+            return [line for line in text.splitlines() if line.startswith(("FAILED", "ERROR"))] + text.splitlines()[-1:]
+        return table_lines(text)
+
+    def close(self) -> None:
+        (self.out / "suite.md").write_text("\n".join(self.md) + "\n")
+        (self.out / "suite.json").write_text(json.dumps(self.report, indent=1) + "\n")
+        self.log.close()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("out", type=Path, help="directory for suite.md, suite.json and suite.log")
+    p.add_argument("--parts", nargs="+", choices=list(PARTS), default=list(PARTS))
+    p.add_argument("--budget", type=float, default=float("inf"),
+                   help="seconds after which no command starts and a running one is stopped")
+    args = p.parse_args(argv)
+    # nvidia-smi, not torch: this process stays off the GPU its commands use
+    suite = Suite(args.out, args.budget, device_name() != "CPU")
+    ok = True
+    try:
+        for name in args.parts:
+            ok = suite.part(name) and ok
+    finally:
+        suite.close()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
