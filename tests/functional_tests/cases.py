@@ -17,14 +17,15 @@ from typing import List
 TRAIN_ITERS = 30
 
 # A tiny GPT: enough layers and steps for the loss to move by ~10% (so a wrong gradient shows),
-# small enough for four gloo ranks on two cores.
+# small enough for four gloo ranks on two cores. gloo also on a GPU machine: the golden curves are
+# CPU runs, and there nccl would put every rank on the one GPU.
 COMMON = (
     "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 "
     "--max-position-embeddings 128 --micro-batch-size 2 --global-batch-size 8 "
     f"--train-iters {TRAIN_ITERS} --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine --lr-warmup-iters 3 "
     "--weight-decay 0.1 --clip-grad 1.0 --hidden-dropout 0 --attention-dropout 0 "
     "--mock-data --tokenizer-type NullTokenizer --vocab-size 1000 --seed 1234 "
-    "--log-interval 1 --eval-iters 0 --num-workers 0"
+    "--log-interval 1 --eval-iters 0 --num-workers 0 --distributed-backend gloo"
 ).split()
 
 LLAMA = ("--group-query-attention --num-query-groups 2 --position-embedding-type rope --swiglu "

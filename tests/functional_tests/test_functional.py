@@ -315,7 +315,7 @@ def test_passkey_is_learned_across_context_parallel_ranks(tmp_path):
              "--train-iters 160 --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine --lr-warmup-iters 20 "
              "--weight-decay 0.0 --hidden-dropout 0 --attention-dropout 0 --passkey-data --passkey-depth 1 "
              "--tokenizer-type NullTokenizer --vocab-size 256 --log-interval 20 --eval-interval 160 "
-             "--eval-iters 4 --num-workers 0").split()
+             "--eval-iters 4 --num-workers 0 --distributed-backend gloo").split()  # CPU ranks on a GPU machine too
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            "--master-port", str(free_port()), str(ROOT / "pretrain_gpt.py")] + flags,
                           cwd=tmp_path, capture_output=True, text=True, timeout=900)

@@ -341,7 +341,8 @@ def _pretrain(nproc: int, flags):
     from tests.unit_tests.dist_utils import child_env, free_port
 
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                          "--master-port", str(free_port()), str(ROOT / "pretrain_gpt.py")] + flags,
+                          "--master-port", str(free_port()), str(ROOT / "pretrain_gpt.py")] + flags
+                         + ["--distributed-backend", "gloo"],  # CPU ranks also where a GPU is visible
                          capture_output=True, text=True, env=child_env(), timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     return run.stdout
