@@ -168,15 +168,16 @@ def test_document_pieces_at_one_rank_match_the_dense_mask_path():
 
 # ---- every mode on gloo ranks ---------------------------------------------------------------------
 
-def document_problem(heads, groups, starts, seed=0):
-    """q, k, v, dout of the whole samples; positions restart at every document
+def document_problem(heads, groups, starts, seed=0, d=D):
+    """q, k, v, dout of the whole samples (starts [b, s]); positions restart at every document
     (--reset-position-ids); float64 reference output and gradients under the document mask."""
+    b, s = starts.shape
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(S, B, n, D, generator=g) for n in (heads, groups, groups))
-    dout = torch.randn(S, B, heads * D, generator=g)
+    q, k, v = (torch.randn(s, b, n, d, generator=g) for n in (heads, groups, groups))
+    dout = torch.randn(s, b, heads * d, generator=g)
     doc = document_ids(starts)
-    first = torch.stack([torch.searchsorted(doc[b], doc[b]) for b in range(B)])  # each token's doc start
-    positions = torch.arange(S).expand(B, S) - first
+    first = torch.stack([torch.searchsorted(doc[i], doc[i]) for i in range(b)])  # each token's doc start
+    positions = torch.arange(s).expand(b, s) - first
     leaves = [x.double().requires_grad_() for x in (q, k, v)]
     ref = reference(*leaves, positions, dense_document_mask(starts))
     ref.backward(dout.double())
@@ -185,7 +186,7 @@ def document_problem(heads, groups, starts, seed=0):
 
 def per_sample(x, idx, dim):
     """x [..., S (at dim), B, ...] -> each sample's own tokens: [..., s_local, B, ...]."""
-    return torch.stack([x.select(dim + 1, b).index_select(dim, idx[b]) for b in range(B)], dim=dim + 1)
+    return torch.stack([x.select(dim + 1, b).index_select(dim, idx[b]) for b in range(len(idx))], dim=dim + 1)
 
 
 def check_documents(pgs, heads, groups, starts, lengths=None, varlen=False):
