@@ -3,17 +3,18 @@
     python tools/gpu_suite.py OUT                                  # every part, in order
     python tools/gpu_suite.py OUT --parts tests attention smoke --budget 540   # one device command
 
-Parts (their usual seconds on one H100 in brackets):
+Parts, with their seconds on one H100 (estimates where marked ~):
   tests      the GPU unit tests: kernels, varlen, GPU contracts, the one-device context-parallel
-             harness (ring, double ring, Ulysses, 2D: fp32 vs float64, bf16 vs fp32), MEMO and its
-             planned allocator, GPU paths [~200]
+             harness (ring, double ring, Ulysses, 2D: fp32 vs float64, bf16 vs fp32, packed
+             documents through varlen), MEMO and its planned allocator, GPU paths [~250; 199 before
+             the harness's tests]
   attention  our attention step against the bare kernel at 32K-128K, packed 128K documents, and the
-             load-balanced ring's blocks (R = 2, 4, 8) against one kernel [~150]
+             load-balanced ring's blocks (R = 2, 4, 8) against one kernel [~150; 80 without the ring]
   bandwidth  pinned host <-> device copies, MEMO's LP input [~10]
   smoke      pretrain_gpt.py in bf16 with each feature at degree 1 (recompute, Selective
              Checkpoint++, MEMO, Seq1F1B segments, packed documents): its loss curve against
-             the plain run's [~250]
-  gpt        GPT 1.3B tokens/s and MFU at 4K-32K [~330]
+             the plain run's [~350]
+  gpt        GPT 1.3B tokens/s and MFU at 4K-32K [~400; one length ~75-110]
   memo       7B-shaped layers: the longest sequence under no / full recomputation and MEMO, and
              fragmentation with the caching and the planned allocator [~540 a mode]
 A device command has 10 minutes: give each call the parts that fit and --budget (no command starts
