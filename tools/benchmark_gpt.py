@@ -89,6 +89,16 @@ def run_pretrain(cmd, timeout: float, log_path=None):
         return code, log.read()
 
 
+def run_status(code, text: str, own_timeout: bool) -> str:
+    """A run's status from run_pretrain's exit code (None: stopped at its time limit, which was
+    its own --timeout when `own_timeout`, else the budget's end) and its output."""
+    if code == 0:
+        return "ok"
+    if code is None:
+        return "timeout" if own_timeout else "stopped (budget)"
+    return "out of memory" if OOM.search(text) else "failed"
+
+
 class Runs:
     """The runs of one benchmark: each within --timeout, none started after --budget seconds."""
 
@@ -105,10 +115,7 @@ class Runs:
             return "not run (budget)", ""
         log = os.path.join(self.args.log_dir, f"{self.prefix}_{name}.log") if self.args.log_dir else None
         code, text = run_pretrain(cmd, min(self.args.timeout, left), log)
-        if code == 0:
-            return "ok", text
-        stopped = "timeout" if self.args.timeout <= left else "stopped (budget)"
-        status = stopped if code is None else "out of memory" if OOM.search(text) else "failed"
+        status = run_status(code, text, self.args.timeout <= left)
         if status == "failed":
             print(text[-3000:], file=sys.stderr, flush=True)
         return status, text

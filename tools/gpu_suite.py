@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark_gpt import OOM, device_name, run_pretrain, shown  # noqa: E402
+from benchmark_gpt import device_name, run_pretrain, run_status, shown  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -183,8 +183,8 @@ class Suite:
         start = time.monotonic()
         code, text = run_pretrain(cmd, min(timeout, left))
         seconds = time.monotonic() - start
-        status = "ok" if code == 0 else ("timeout" if timeout <= left else "stopped (budget)") if code is None \
-            else "out of memory" if OOM.search(text) else f"failed (exit {code})"
+        status = run_status(code, text, timeout <= left)
+        status = f"failed (exit {code})" if status == "failed" else status
         self.log.write(f"\n#### {label}: {shown(cmd)}\n#### {status} in {seconds:.0f} s\n{text}")
         self.log.flush()
         return status, text, seconds

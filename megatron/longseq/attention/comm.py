@@ -16,8 +16,8 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _backend(group):
-    """torch.distributed, or the group itself where it is an in-process loopback group
-    (loopback.py: every rank of a group on one device), which takes the same calls."""
+    """torch.distributed, or the group itself where it is a loopback group (loopback.py: every
+    rank of a group on one device), which takes the same calls."""
     return group if getattr(group, "loopback", False) else dist
 
 

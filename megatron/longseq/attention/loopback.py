@@ -57,7 +57,7 @@ class Mailbox:
 
 
 class _Done:
-    """What batch_isend_irecv returns per op: the receive happens in wait()."""
+    """A request of `LoopbackGroup.batch`, one per send or receive: a receive happens in wait()."""
 
     def __init__(self, finish: Callable[[], None] = lambda: None):
         self.finish = finish

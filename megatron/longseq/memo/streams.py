@@ -39,7 +39,8 @@ def host_empty(nbytes: int, pin: bool) -> torch.Tensor:
     The memory is a mapping of its own that forked processes do not inherit (MADV_DONTFORK): Linux
     copies pages pinned for DMA into a child at fork instead of sharing them, so every data-loader
     worker started after MEMO pinned its pool would copy all of it (on an H100, 7B-shaped layers at
-    64K tokens: a 21 GiB pool, and the first iteration never came)."""
+    64K tokens: a 21 GiB pool, and set-up, stuck where the loader starts its workers, did not end
+    within 133 s; without the copies it ended in 84 s)."""
     if not nbytes:
         return torch.empty(0, dtype=torch.uint8)
     region = mmap.mmap(-1, nbytes)  # anonymous, page-aligned; the tensor keeps it mapped
