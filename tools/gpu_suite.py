@@ -208,7 +208,8 @@ class Suite:
             if name != "smoke":
                 self.md += [f"`{shown(cmd)}`: {status}, {seconds:.0f} s", ""] + self._tables(name, text) + [""]
         if name == "smoke":
-            self.md += smoke_table(results) + ["", "Commands:", ""] + [f"- {r['label']}: `{r['command']}`" for r in runs]
+            commands = [f"- {r['label']}: `{r['command']}`" for r in runs]
+            self.md += smoke_table(results) + ["", "Commands:", ""] + commands
             self.md.append("")
         ok = all(r["status"] == "ok" for r in runs)
         self.report["parts"][name] = {"status": "ok" if ok else "not all ok", "commands": runs}

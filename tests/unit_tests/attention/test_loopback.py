@@ -48,7 +48,7 @@ def attend(pgs, mode, device, dtype, shape):
     (q, k, v, dout, positions), _ = full_problem(heads, groups, s=s, b=b, d=d)
     cp = ContextParallel.from_process_groups(pgs)
     idx = local_token_indices(s, cp.hp_size, cp.ring.size, cp.hp_index, cp.ring.ring_index)
-    attn = LongSeqCoreAttention(config(heads, groups, d=d), layer_number=1, attn_mask_type=None, cp=cp)
+    attn = LongSeqCoreAttention(config(heads, groups, d=d), layer_number=1, attn_mask_type=None, cp=cp).to(device)
     if device == "cpu":
         attn._kernel = ContractKernel()
     leaves = [x[idx].to(device, DTYPES[dtype]).requires_grad_() for x in (q, k, v)]
@@ -132,7 +132,7 @@ def attend_documents(pgs, mode, device, dtype, starts, d):
     cp = ContextParallel.from_process_groups(pgs)
     idx = [local_token_indices(starts.shape[1], cp.hp_size, cp.ring.size, cp.hp_index, cp.ring.ring_index,
                                starts[b]) for b in range(starts.shape[0])]
-    attn = LongSeqCoreAttention(config(heads, groups, d=d), layer_number=1, attn_mask_type=None, cp=cp)
+    attn = LongSeqCoreAttention(config(heads, groups, d=d), layer_number=1, attn_mask_type=None, cp=cp).to(device)
     attn._kernel = kernel = ContractKernel() if device == "cpu" else select_kernel("auto", torch.device(device),
                                                                                    DTYPES[dtype], d)
     calls = []
