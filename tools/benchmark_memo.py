@@ -10,8 +10,9 @@ mode the sequence lengths are tried in increasing order until one runs out of me
 each run is pretrain_gpt.py on mock data, micro-batch 1, --iters iterations of which --warmup are
 dropped. What fits at a length, roughly: 18 bytes of model and optimizer state per parameter (1.5 G
 parameters at 6 layers: 27 GB); logits s x vocab in bf16 and again in fp32 for the loss (25 GB at
-128K and vocabulary 32000); and MEMO keeps the model's last two layers' activations whole, as the
-paper does (about 20 GB each at 128K), so few layers leave MEMO little to manage.
+128K and vocabulary 32000); and MEMO's two rounding buffers, each a layer's activations (about
+20 GB at 128K), where the model's last two layers stay as the paper has it: few layers leave MEMO
+little to manage.
 Fragmentation is read from the memory line printed at the end of a run, whose maxima are the
 training iterations' (set-up excluded): max reserved minus max allocated -- what the allocator held
 beyond the tensors at the peak -- and the allocator's retries, for MEMO with torch's caching

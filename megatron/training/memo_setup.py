@@ -56,8 +56,8 @@ def _saved_plan(path: str, layers) -> dict:
 
 
 def wrap_model(state, alpha: float, device) -> tuple:
-    """Memo over every model chunk's layers; the model's last two layers keep their activations.
-    Returns the runtime and the layers it manages."""
+    """Memo over every model chunk's layers; the model's last two layers keep their activations
+    (resident in the rounding buffers). Returns the runtime and the layers it manages."""
     buffer = state.optimizer.buffer
     memo = Memo(alpha, device, {buffer.param_data.untyped_storage().data_ptr()})
     layers = []

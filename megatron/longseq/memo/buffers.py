@@ -6,6 +6,7 @@ as any dtype and handed to any kernel.
 """
 from __future__ import annotations
 
+import weakref
 from typing import List, Optional
 
 import torch
@@ -25,13 +26,14 @@ class MemoCapacityError(RuntimeError):
 
 class RoundingBuffers:
     """Layer i's skeletal activations are staged in buffer i % 2 on their way to host memory and
-    rebuilt in it on their way back. `offloaded[b]` is the event after the offload copies of what
+    rebuilt in it on their way back; a resident (kept) layer's stay in it until its backward. `offloaded[b]` is the event after the offload copies of what
     the last forward staged in buffer b: the next writer waits for it."""
 
     def __init__(self, nbytes: int, device: torch.device):
         self.nbytes = aligned(nbytes)
         self.memory = [torch.empty(self.nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
         self.offloaded: List[Optional[Event]] = [None, None]
+        self.resident: List[Optional[weakref.ref]] = [None, None]  # a resident layer's state (runtime.py)
 
     def check(self, need: int, layer: int) -> None:
         if need > self.nbytes:

@@ -16,10 +16,14 @@ into the other buffer -- it runs during this backward -- then waits for its own 
 recomputes the dropped tokens by running the layer on them alone (every op but attention is
 token-wise; attention hands back its kept output rows and records q, k, v of those tokens) and
 completes each token-wise tensor in place in the buffer. The last two layers keep their
-activations (their backward starts at once); the last managed layer's prefetch is issued when
-their backward begins (a hook on the last kept layer's output gradient), so its copies too run
-during a backward instead of before its own. A pipeline stage without kept layers is told by the
-schedule (Pipeline.unit_hooks) when a unit's backward begins, before the gradient arrives.
+activations (their backward starts at once) and are resident: everything they save stays in their
+rounding buffer, as the paper's two buffers hold every layer's skeletal activations, so keeping
+them costs the device nothing beyond the buffers. The first of them issues the last managed
+layer's prefetch as its backward begins, like any layer i for layer i-1. Where a schedule runs
+another unit's forward before a resident layer's backward (Seq1F1B segments), the resident moves
+out of the buffer the new forward takes, into memory of its own. A pipeline stage without kept
+layers is told by the schedule (Pipeline.unit_hooks) when a unit's backward begins, before the
+gradient arrives.
 
 `Memo.measure` runs an iteration without host memory to size the buffers and the pool before
 any is allocated: alpha 0, the layer input left where it is, everything else recomputed in
@@ -114,12 +118,12 @@ class Memo:
         self.buffers: Optional[RoundingBuffers] = None
         self.pool: Optional[HostPool] = None
         self.param_storages = set(param_storages)
-        self.last: Optional[LayerState] = None  # the previous managed layer of the running forward
-        # the running forward's last managed layer, until the kept layers after it take it (or,
-        # on a stage without kept layers, the schedule's end of the unit's forward)
-        self.before_kept: Optional[LayerState] = None
+        self.last: Optional[LayerState] = None  # the previous layer of the running forward
+        # the running forward's last layer, until the schedule's end of the unit's forward
+        self.tail: Optional[LayerState] = None
         self.tails: Dict[tuple, weakref.ref] = {}  # those last layers by schedule unit, until its backward
         self.measuring: Optional[List[LayerSizes]] = None  # sizes of every forward, while measuring
+        self.resident_bytes = 0  # the largest resident layer's buffer share, measured
         self.live = self.peak_live = 0  # managed layers between forward and backward
         self.forwards = 0  # managed forwards so far: layer i of a unit stages in buffer i % 2
         self.reading: Optional[tuple] = None  # (buffer, layer) the running backward reads
@@ -144,12 +148,12 @@ class Memo:
         try:
             run()
             return self.measuring
-        finally:  # the last layer's state holds whole tensors when measuring: not while allocating
-            self.measuring, self.reading, self.forwards, self.last = None, None, 0, None
+        finally:  # the last layers' states hold whole tensors when measuring: not while allocating
+            self.measuring, self.reading, self.forwards, self.last, self.tail = None, None, 0, None, None
 
     def allocate(self, buffer_bytes: int, blocks: int, block_bytes: int) -> None:
         """The two rounding buffers and the host pool, once, before training."""
-        self.buffers = RoundingBuffers(buffer_bytes, self.device)
+        self.buffers = RoundingBuffers(max(buffer_bytes, self.resident_bytes), self.device)
         self.pool = HostPool(blocks, block_bytes, pin=self.cuda)
 
     def calibrate(self, run: Callable[[], None]) -> List[LayerSizes]:
@@ -160,6 +164,15 @@ class Memo:
                           max(s.host_bytes(self.alpha) for s in sizes))
         return sizes
 
+    def make_room(self, b: int) -> None:
+        """Buffer b is about to be written: a resident layer in it whose backward has not begun
+        moves to memory of its own first (schedules with several units' forwards before their
+        backwards: Seq1F1B segments, a pipeline's warm-up)."""
+        ref, self.buffers.resident[b] = self.buffers.resident[b], None
+        state = ref() if ref is not None else None
+        if state is not None and state.rebuilt is None:
+            state.move_out()
+
     def reads_done(self) -> None:
         """For the log: the backward that read a buffer last is over (it was issued on the compute
         stream before now: the next layer's backward or a forward has begun)."""
@@ -169,21 +182,20 @@ class Memo:
 
     # ---- the layer wrapper -----------------------------------------------------------------------
     def wrap(self, layers, keep_last: int = 2) -> None:
-        """Manage every layer of `layers` but the last `keep_last` (in place, like recompute)."""
+        """Manage every layer of `layers` but the last `keep_last` (in place, like recompute);
+        those keep their activations, in the rounding buffers (resident), when any is managed."""
         layers = list(layers)
-        managed = layers[: max(len(layers) - keep_last, 0)]
-        kept = len(managed) < len(layers)
-        for index, layer in enumerate(managed):
-            last = index == len(managed) - 1
-            layer.forward = _memo_forward(self, layer.forward, index, first=index == 0, last=last)
-        if managed and kept:
-            layers[-1].forward = _kept_forward(self, layers[-1].forward)
+        managed = max(len(layers) - keep_last, 0)
+        wrapped = layers if managed else []  # no managed layer: no buffers for the kept ones either
+        for index, layer in enumerate(wrapped):
+            layer.forward = _memo_forward(self, layer.forward, index, first=index == 0,
+                                          last=index == len(wrapped) - 1, resident=index >= managed)
 
     # ---- the pipeline schedule's units (seq1f1b.Pipeline.unit_hooks) ------------------------------
     def forward_done(self, unit: tuple) -> None:
-        """The forward of schedule unit (chunk, micro-batch, segment) is over: its last managed
-        layer, unless kept layers after it took it, waits for the unit's backward."""
-        state, self.before_kept = self.before_kept, None
+        """The forward of schedule unit (chunk, micro-batch, segment) is over: its last layer waits
+        for the unit's backward (a resident one has nothing to prefetch)."""
+        state, self.tail = self.tail, None
         if state is not None:
             self.tails[unit] = weakref.ref(state)
 
@@ -196,45 +208,20 @@ class Memo:
             _start_prefetch(ref)
 
 
-def _memo_forward(memo: Memo, forward, index: int, first: bool, last: bool):
+def _memo_forward(memo: Memo, forward, index: int, first: bool, last: bool, resident: bool = False):
     def run(hidden_states, **kwargs):
         if not torch.is_grad_enabled():
             return forward(hidden_states=hidden_states, **kwargs)
         if first:
             memo.last = None
-        state = LayerState(memo, forward, index, hidden_states, kwargs, previous=memo.last)
+        state = LayerState(memo, forward, index, hidden_states, kwargs, previous=memo.last, resident=resident)
         memo.last = state
         out = state.forward()
         if last:
-            memo.before_kept = state
+            memo.tail = state
         return out
 
     return run
-
-
-def _kept_forward(memo: Memo, forward):
-    """The last kept layer: the gradient of its output starts the kept layers' backward, and with
-    it the prefetch of the managed layer before them (section 4.1: layer i-1's copies overlap
-    layer i's backward). Handed over once per forward: a recompute of the kept layers in backward
-    finds nothing to hand (what it would find could belong to another segment's forward)."""
-
-    def run(*args, **kwargs):
-        out = forward(*args, **kwargs)
-        state, memo.before_kept = memo.before_kept, None
-        y = out[0] if isinstance(out, tuple) else out
-        if state is not None and y.requires_grad:
-            y.register_hook(_backward_begins(weakref.ref(state)))
-        return out
-
-    return run
-
-
-def _backward_begins(state_ref):
-    # weak: the hook lives as long as the graph; the state must not (its own backward frees it)
-    def hook(grad):
-        _start_prefetch(state_ref)
-
-    return hook
 
 
 def _start_prefetch(state_ref) -> None:
@@ -256,12 +243,17 @@ def _release(memo: Memo, held: list) -> None:
 class LayerState:
     """One managed layer's forward: what it saved, where it went, and how it comes back."""
 
-    def __init__(self, memo: Memo, forward, index: int, hidden_states, kwargs, previous):
+    def __init__(self, memo: Memo, forward, index: int, hidden_states, kwargs, previous, resident: bool = False):
         self.memo, self.fn, self.index, self.kwargs = memo, forward, index, kwargs
         self.previous = previous
         self.input = hidden_states
         self.tokens = hidden_states.shape[0]
-        self.n_off = 0 if memo.measuring is not None else offloaded_rows(memo.alpha, self.tokens)
+        # resident: one of the last layers, whose backward follows at once -- everything it saved
+        # stays in its rounding buffer, nothing goes to host memory and nothing is recomputed
+        self.resident = resident
+        self.home: Optional[torch.Tensor] = None  # a resident's own memory, once moved out of its buffer
+        self.n_off = self.tokens if resident else 0 if memo.measuring is not None else offloaded_rows(
+            memo.alpha, self.tokens)
         self.buffer = memo.forwards % 2
         self.id = memo.forwards
         memo.forwards += 1
@@ -283,8 +275,22 @@ class LayerState:
         self.input_key = self._whole_item(self.input)
         self._input_view = (tuple(self.input.shape), self.input.stride(), self.input.storage_offset())
         self._input_grad = self.input.requires_grad
-        with _activate(self), torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+        # a resident layer is never replayed: its attention takes the plain path (no kept output)
+        active = contextlib.nullcontext() if self.resident else _activate(self)
+        with active, torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
             out = self.fn(hidden_states=self.input, **self.kwargs)
+        if self.resident:
+            self._stay()
+        else:
+            self._managed_forward_done()
+        # a forward that never gets a backward releases when it is dropped (the finalizer must
+        # not reference the state itself, or the state could never be dropped)
+        weakref.finalize(self, _release, self.memo, self.held)
+        self.input = None
+        self._alive = []
+        return out
+
+    def _managed_forward_done(self) -> None:
         self.memo.stats["layers"] += 1
         self.memo.live += 1
         self.held[2] = 1
@@ -294,12 +300,6 @@ class LayerState:
             self._drop_measured()
         else:
             self._offload()
-        # a forward that never gets a backward releases when it is dropped (the finalizer must
-        # not reference the state itself, or the state could never be dropped)
-        weakref.finalize(self, _release, self.memo, self.held)
-        self.input = None
-        self._alive = []
-        return out
 
     def _drop_measured(self) -> None:
         """Measuring: the replay recomputes every token, and the kept attention's (out, lse) from
@@ -367,7 +367,7 @@ class LayerState:
         if ptr in self.memo.param_storages:
             return _Saved("keep", t)
         view = (tuple(t.shape), t.stride(), t.storage_offset())
-        if ptr in self.storage_keys or self.in_attention:
+        if ptr in self.storage_keys or self.in_attention or self.resident:  # a resident stages all whole
             return _Saved("whole", key=self._whole_item(t), view=view)
         if t.dim() >= 1 and t.shape[0] == self.tokens:
             return _Saved("tokens", key=self._token_item(t))
@@ -392,6 +392,7 @@ class LayerState:
         buffer_need, host_need = self._layout()
         memo.buffers.check(buffer_need, self.index)
         self.held[0] = memo.pool.take(host_need, self.index)
+        memo.make_room(b)
         streams.wait("compute", memo.buffers.offloaded[b])  # layer i-2's offload has left buffer b
         streams.access("write", "compute", b, self.id)
         sent = [item for item in self.items if item.sent_bytes]
@@ -413,7 +414,39 @@ class LayerState:
         memo.stats["peak_host_bytes"] = max(memo.stats["peak_host_bytes"], memo.host_bytes)
 
     def _slot(self, item: _Item, nbytes: int) -> torch.Tensor:
+        if self.home is not None:
+            return self.home[item.slot : item.slot + nbytes]
         return self.memo.buffers.view(self.buffer, item.slot, nbytes)
+
+    def _stay(self) -> None:
+        """A resident layer: everything it saved, whole, into its rounding buffer, where its
+        backward reads it (section 4.1: the two buffers hold every layer's skeletal activations;
+        the last two need no copy to host memory). Measuring: left where it is, the buffer's
+        size noted."""
+        memo, streams, b = self.memo, self.memo.streams, self.buffer
+        self.staged_bytes, _ = self._layout()
+        if memo.measuring is not None:
+            memo.resident_bytes = max(memo.resident_bytes, self.staged_bytes)
+            return
+        memo.reads_done()
+        memo.buffers.check(self.staged_bytes, self.index)
+        memo.make_room(b)
+        streams.wait("compute", memo.buffers.offloaded[b])  # layer i-2's offload has left buffer b
+        streams.access("write", "compute", b, self.id)
+        for item in self.items:
+            streams.copy("compute", self._slot(item, item.full_bytes).view(item.dtype).view(item.shape), item.tensor)
+            item.tensor = None
+        self.prefetched = streams.event("compute")
+        memo.buffers.resident[b] = weakref.ref(self)
+
+    def move_out(self) -> None:
+        """This resident layer's bytes from its buffer into memory of its own (compute stream:
+        before anything issued after it writes the buffer)."""
+        streams = self.memo.streams
+        home = torch.empty(self.staged_bytes, dtype=torch.uint8, device=self.memo.device)
+        streams.access("read", "compute", self.buffer, self.id)
+        streams.copy("compute", home, self.memo.buffers.view(self.buffer, 0, self.staged_bytes))
+        self.home = home
 
     # ---- backward ----------------------------------------------------------------------------
     def unpack(self, saved: _Saved) -> torch.Tensor:
@@ -436,6 +469,7 @@ class LayerState:
         if self.prefetched is not None or self.memo.measuring is not None or self.held[0] is None:
             return
         streams, b = self.memo.streams, self.buffer
+        self.memo.make_room(b)
         # the buffer is free once the backward of the layer before in it (i+2, or for the last
         # managed layer an earlier unit's) is over: it was issued on the compute stream before
         # now; and once the offloads that read it are done
@@ -459,8 +493,9 @@ class LayerState:
         if self.previous is not None:
             self.previous.prefetch()  # overlap: layer i-1's copies come back during our backward
         streams.wait("compute", self.prefetched)  # our own copies only
-        streams.access("read", "compute", self.buffer, self.id)
-        self.memo.reading = (self.buffer, self.id)
+        if self.home is None:
+            streams.access("read", "compute", self.buffer, self.id)
+            self.memo.reading = (self.buffer, self.id)
         recomputed = self._recompute() if self.n_off < self.tokens else {}
         rebuilt = {}
         for k, item in enumerate(self.items):
@@ -475,7 +510,10 @@ class LayerState:
         _release(self.memo, self.held)
 
     def _full(self, item: _Item) -> torch.Tensor:
-        """A token-wise tensor whole: its slot, the prefetched rows first (measuring: a new tensor)."""
+        """A token-wise tensor whole: its slot, the prefetched rows first (measuring: a resident's
+        own tensor, a managed layer's a new one)."""
+        if item.tensor is not None:
+            return item.tensor
         if self.memo.measuring is not None:
             return torch.empty(item.shape, dtype=item.dtype, device=self.memo.device)
         return self._slot(item, item.full_bytes).view(item.dtype).view(item.shape)

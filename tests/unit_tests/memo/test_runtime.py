@@ -155,9 +155,45 @@ def test_copies_follow_the_rounding_buffer_schedule():
     assert sorted(prefetch) == list(range(managed_layers))
     for layer in range(1, managed_layers):  # layer i-1's copies are under way before i's backward
         assert prefetch[layer - 1] < first_read[layer]
-    # layer i+2's staging waits for layer i's offload: the two buffers alternate
+    # layer i+2's staging waits for layer i's offload: the two buffers alternate, the last two
+    # layers' too -- they stay in theirs (resident: no copy to host memory and back)
     writes = [a.buffer for a in done if a.stream == "compute" and a.op == "write"]
-    assert writes == [i % 2 for i in range(managed_layers)]
+    assert writes == [i % 2 for i in range(args.num_layers)]
+    offloaded = {a.owner for a in done if a.stream == "offload"}
+    assert offloaded == set(range(managed_layers))
+
+
+def _held_after_forward(args, keep_last: int) -> int:
+    """Bytes a training forward leaves allocated, MEMO's buffers and host pool made before."""
+    from megatron.longseq.memo.trace import AllocationTracer, Trace
+
+    model = tiny_gpt(args, grid_groups())
+    memo = Memo(0.5, torch.device("cpu"), {p.untyped_storage().data_ptr() for p in model.parameters()})
+    memo.wrap(model.decoder.layers, keep_last=keep_last)
+    memo.calibrate(lambda: lm_loss(model, args).backward())
+    model.zero_grad(set_to_none=True)
+    trace = Trace()
+    with AllocationTracer(trace):
+        trace.mark("start")
+        loss = lm_loss(model, args)
+        gc.collect()
+        trace.mark("forward")
+        loss.backward()
+    now, at = 0, {}
+    for kind, label, size in trace.events:
+        now += size if kind == "malloc" else -size if kind == "free" else 0
+        at[label] = now
+    return at["forward"] - at["start"]
+
+
+def test_the_kept_layers_stay_in_the_rounding_buffers():
+    """Section 4.1: the two rounding buffers hold every layer's skeletal activations, the last two
+    layers' too (their backward follows at once: they stay in their buffer instead of going to the
+    host). So keeping them costs the device nothing beyond the buffers: a forward leaves as much
+    allocated as one where every layer is managed (before: two layers' activations more)."""
+    init_single_rank_world()
+    args = tiny_args("--num-layers 4 " + GQA_ROPE)
+    assert _held_after_forward(args, keep_last=2) == _held_after_forward(args, keep_last=0)
 
 
 class _Marks:
@@ -217,25 +253,29 @@ def _seq1f1b(args, alpha, recompute_kept, log=None, marks=None, keep_none=False)
 @pytest.mark.parametrize("recompute_kept", [False, True], ids=["kept-layers-stored", "kept-layers-recomputed"])
 def test_the_last_managed_layers_prefetch_runs_during_the_kept_layers_backward(recompute_kept):
     """Section 4.1: layer i-1's copies overlap layer i's backward -- also for the last managed
-    layer, whose successor is a kept layer: its prefetch must not wait for its own backward
-    (one exposed host-to-device copy per micro-batch and segment)."""
+    layer, whose successor is a kept layer resident in its rounding buffer: its prefetch is issued
+    as that kept layer's backward begins, before it reads its buffer, not with its own backward.
+    Seq1F1B runs two segments' forwards before their backwards, so the first segment's kept layers
+    move out of the buffers the second one's forward takes (the schedule check covers it)."""
     init_single_rank_world()
     args = tiny_args("--num-layers 5 --pipe-sp-splits 2 --global-batch-size 4 " + GQA_ROPE)
     log = []
     marks = _Marks(log)
     grads, managed, _ = _seq1f1b(args, 0.5, recompute_kept, log, marks)
     done = check(log)  # no read before its copy, no overwrite before the last reader
-    n = len(managed)
+    n, last = args.num_layers, len(managed) - 1  # every layer's forward takes an id, a unit's count up
+    units = args.num_microbatches * args.pipe_sp_splits
     prefetched = {a.owner: a.position for a in done if a.stream == "prefetch" and a.op == "write"}
-    reads = [a for a in done if a.stream == "compute" and a.op == "read"]
-    # the first kept layer's backward begins when the last kept layer's input gradient is made
-    kept_begins = marks.at[f"end bwd L{args.num_layers}"]
-    assert len(kept_begins) == args.num_microbatches * args.pipe_sp_splits
-    owners = []
-    for at in kept_begins:  # managed forwards count up: the last of a unit has id n-1 modulo n
-        owners.append(next(a.owner for a in reads if a.position > at and a.owner % n == n - 1))
-        assert prefetched[owners[-1]] < at, f"layer {owners[-1]}'s prefetch waits for its own backward"
-    assert sorted(owners) == [u * n + n - 1 for u in range(len(kept_begins))]
+    first_read = {}
+    for a in done:
+        if a.stream == "compute" and a.op == "read":
+            first_read.setdefault(a.owner, a.position)
+    kept_done = marks.at[f"end bwd L{n - 1}"]  # the first kept layer's backward is over
+    assert len(kept_done) == units
+    for unit in range(units):
+        owner = unit * n + last
+        assert any(prefetched[owner] < at < first_read[owner] for at in kept_done), f"unit {unit}"
+    assert not any(a.owner % n > last for a in done if a.stream in ("offload", "prefetch"))  # residents stay
     reference, _, _ = _seq1f1b(args, None, recompute_kept)
     for name, grad in grads.items():  # bitwise on CPU; the bound of the alpha test above
         torch.testing.assert_close(grad, reference[name], rtol=1e-6, atol=1e-9, msg=name)
@@ -324,7 +364,7 @@ def _measured(args):
         lm_loss(model, args).backward()
     finally:
         runtime.LayerState.forward = original
-    return sizes, _bytes(trace), grads, [s.sizes() for s in states]
+    return sizes, _bytes(trace), grads, [s.sizes() for s in states if not s.resident]
 
 
 def _bytes(trace):
@@ -399,7 +439,9 @@ def test_buffers_and_pool_are_sized_once_and_refuse_to_grow():
     init_single_rank_world()
     args = tiny_args(CASES["gqa-rope-swiglu-rms"])
     model, memo, sizes = managed(args, 0.5)
-    assert memo.buffers.nbytes == max(s.buffer_bytes for s in sizes)
+    # a managed layer's share, or a resident one's (all it saved, whole storages), the larger
+    managed_share = max(s.buffer_bytes for s in sizes)
+    assert memo.resident_bytes > 0 and memo.buffers.nbytes == max(managed_share, memo.resident_bytes)
     assert memo.pool.blocks == args.num_layers - 2 and memo.pool.block_bytes == sizes[0].host_bytes(0.5)
     longer = tiny_args(CASES["gqa-rope-swiglu-rms"] + " --seq-length 64")
     with pytest.raises(MemoCapacityError, match="rounding buffer"):
@@ -438,7 +480,9 @@ def test_layer_states_are_freed_after_backward():
         runtime.LayerState.forward = original
     gc.collect()
     alive = [s for s in states if s() is not None and s() is not s().memo.last]
-    assert len(states) == 4 and not alive  # only the runtime's pointer to the last layer may remain
+    # two forwards (calibration and training) of 4 layers, 2 managed and 2 resident; only the
+    # runtime's pointer to the last layer may remain
+    assert len(states) == 2 * args.num_layers and not alive
 
 
 def test_pinned_host_memory_is_exactly_what_was_asked_and_unpinned_when_freed(monkeypatch):
