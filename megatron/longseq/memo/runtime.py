@@ -125,7 +125,7 @@ class Memo:
         self.measuring: Optional[List[LayerSizes]] = None  # sizes of every forward, while measuring
         self.resident_bytes = 0  # the largest resident layer's buffer share, measured
         self.live = self.peak_live = 0  # managed layers between forward and backward
-        self.forwards = 0  # managed forwards so far: layer i of a unit stages in buffer i % 2
+        self.forwards = 0  # wrapped layers' forwards so far: layer i of a unit stages in buffer i % 2
         self.reading: Optional[tuple] = None  # (buffer, layer) the running backward reads
         self.allocator = None  # the planned allocator (allocator.py), when it serves this run
         self.window_handles: list = []  # hooks that mark the allocator's layer windows
@@ -241,7 +241,8 @@ def _release(memo: Memo, held: list) -> None:
 
 
 class LayerState:
-    """One managed layer's forward: what it saved, where it went, and how it comes back."""
+    """One wrapped layer's forward (managed, or resident): what it saved, where it went, and how
+    it comes back."""
 
     def __init__(self, memo: Memo, forward, index: int, hidden_states, kwargs, previous, resident: bool = False):
         self.memo, self.fn, self.index, self.kwargs = memo, forward, index, kwargs
