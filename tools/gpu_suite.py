@@ -75,13 +75,13 @@ def tool(name, *flags) -> list:
     return [PY, str(ROOT / "tools" / name), *flags]
 
 
-def _tests(cuda: bool, out: Path):
+def _tests(cuda: bool):
     if not cuda:
         return None
     return [("pytest", [PY, "-m", "pytest", "-q", "-n", "8", "-p", "no:cacheprovider", *GPU_TESTS], 400)]
 
 
-def _attention(cuda: bool, out: Path):
+def _attention(cuda: bool):
     if cuda:
         return [("bench", tool("benchmark_attention.py", "--documents", "4096", "--ring", "2", "4", "8"), 300)]
     tiny = ["--seq-lengths", "256", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--dtype", "fp32",
@@ -89,7 +89,7 @@ def _attention(cuda: bool, out: Path):
     return [("bench", tool("benchmark_attention.py", *tiny, "--documents", "64", "--ring", "2", "4"), 300)]
 
 
-def _bandwidth(cuda: bool, out: Path):
+def _bandwidth(cuda: bool):
     if not cuda:
         return None
     return [("copies", [PY, "-c", BANDWIDTH], 60)]
@@ -109,20 +109,20 @@ for mb in (64, 256, 1024):
 """
 
 
-def _smoke(cuda: bool, out: Path):
+def _smoke(cuda: bool):
     model = SMOKE_MODEL if cuda else SMOKE_MODEL_CPU
     return [(name, [PY, str(ROOT / "pretrain_gpt.py"), *model.split(), *flags.split()], 240)
             for name, (flags, _) in FEATURES.items()]
 
 
-def _gpt(cuda: bool, out: Path):
+def _gpt(cuda: bool):
     if cuda:
         return [("bench", tool("benchmark_gpt.py", "--timeout", "150", "--log-dir", "/tmp/gpu_suite_gpt"), 600)]
     return [("bench", tool("benchmark_gpt.py", "--model", "tiny", "--seq-lengths", "128", "--iters", "3",
                            "--warmup", "1", "--no-bf16", "--", "--num-workers", "0"), 300)]
 
 
-def _memo(cuda: bool, out: Path):
+def _memo(cuda: bool):
     if cuda:
         return [(mode, tool("benchmark_memo.py", "--modes", mode, "--seq-lengths", "16384", "32768", "65536",
                             "131072", "--iters", "4", "--warmup", "2", "--timeout", "170",
@@ -191,7 +191,7 @@ class Suite:
 
     def part(self, name: str) -> bool:
         """Run one part; False if a command of it did not end well."""
-        commands = PARTS[name](self.cuda, self.out)
+        commands = PARTS[name](self.cuda)
         print(f"== {name}", flush=True)
         if commands is None:
             print(f"{name}: needs CUDA, skipped", flush=True)
