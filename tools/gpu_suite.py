@@ -15,8 +15,9 @@ Parts, with their seconds on one H100 (estimates where marked ~):
              Checkpoint++, MEMO, Seq1F1B segments, packed documents): its loss curve against
              the plain run's [~350]
   gpt        GPT 1.3B tokens/s and MFU at 4K-32K [~400; one length ~75-110]
-  memo       7B-shaped layers: the longest sequence under no / full recomputation and MEMO, and
-             fragmentation with the caching and the planned allocator [~540 a mode]
+  memo-none, memo-full, memo, memo-planned
+             7B-shaped layers: the longest sequence and its MFU with no / full recomputation, MEMO
+             with torch's caching allocator and with the planned one, and fragmentation [~540 each]
 A device command has 10 minutes: give each call the parts that fit and --budget (no command starts
 after it, a running one is stopped there). Writes OUT/suite.md (every table, each part with its
 device, date and commands), OUT/suite.json (each part's status, seconds and commands) and
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import re
 import sys
@@ -122,18 +124,21 @@ def _gpt(cuda: bool):
                            "--warmup", "1", "--no-bf16", "--", "--num-workers", "0"), 300)]
 
 
-def _memo(cuda: bool):
+def _memo(mode: str, cuda: bool):
+    """One MEMO benchmark mode (one device command each: a mode's lengths take up to ~540 s)."""
     if cuda:
-        return [(mode, tool("benchmark_memo.py", "--modes", mode, "--seq-lengths", "16384", "32768", "65536",
+        return [(mode, tool("benchmark_memo.py", "--modes", mode, "--seq-lengths", "32768", "65536", "98304",
                             "131072", "--iters", "4", "--warmup", "2", "--timeout", "170",
-                            "--log-dir", "/tmp/gpu_suite_memo"), 600)
-                for mode in ("none", "full", "memo", "memo-planned")]
-    return [("memo", tool("benchmark_memo.py", "--shape", "tiny", "--num-layers", "4", "--no-bf16", "--modes",
-                          "none", "memo", "--seq-lengths", "128", "--iters", "3", "--warmup", "1"), 300)]
+                            "--log-dir", "/tmp/gpu_suite_memo"), 600)]
+    if mode == "memo-planned":  # the planned allocator is CUDA's
+        return None
+    return [(mode, tool("benchmark_memo.py", "--shape", "tiny", "--num-layers", "4", "--no-bf16", "--modes", mode,
+                        "--seq-lengths", "128", "--iters", "3", "--warmup", "1"), 300)]
 
 
 PARTS = {"tests": _tests, "attention": _attention, "bandwidth": _bandwidth, "smoke": _smoke, "gpt": _gpt,
-         "memo": _memo}
+         "memo-none": functools.partial(_memo, "none"), "memo-full": functools.partial(_memo, "full"),
+         "memo": functools.partial(_memo, "memo"), "memo-planned": functools.partial(_memo, "memo-planned")}
 
 
 def table_lines(text: str) -> list:
