@@ -96,17 +96,21 @@ def core_attention(args, device):
     return LongSeqCoreAttention(config, layer_number=1, attn_mask_type=None).to(device)
 
 
+def bare_step(kernel, q, k, v, dout, scale):
+    """Causal forward and backward of the kernel itself, without even the contract checks."""
+    def bare():
+        out, lse = kernel._forward(q, k, v, True, scale)
+        kernel._backward(dout, q, k, v, out, lse, True, scale)
+
+    return bare
+
+
 def steps(seq, args, device, dtype):
     """(the kernel, its bare forward+backward, ours, the FLOPs of one)."""
     leaves, dout = inputs(seq, args, device, dtype)
     q, k, v, dout_k = kernel_views(leaves, dout)
     kernel = select_kernel(args.backend, device, dtype, args.head_dim)
-    scale = default_scale(args.head_dim, None)
-
-    def bare():  # the kernel itself, without even the contract checks
-        out, lse = kernel._forward(q, k, v, True, scale)
-        kernel._backward(dout_k, q, k, v, out, lse, True, scale)
-
+    bare = bare_step(kernel, q, k, v, dout_k, default_scale(args.head_dim, None))
     module = core_attention(args, device)
 
     def ours():
@@ -186,12 +190,20 @@ def packed_table(args, device, dtype) -> None:
               f"{calls['varlen']} varlen, {calls['dense']} dense | {layout * 1e3:.1f} |", flush=True)
 
 
-def ring_position(pgs, leaves, dout, kernel, scale):
+def position_inputs(leaves, dout, ring: int) -> list:
+    """Each ring position's q, k, v, dout as the kernels get them: [b, h, s/R, d] views of its
+    chunks' [s/R, b, h, d] tensors, contiguous as after the all-to-all (made before any timing)."""
+    out = []
+    for j in range(ring):
+        idx = local_token_indices(leaves[0].shape[0], 1, ring, 0, j)
+        out.append(kernel_views([x.detach()[idx] for x in leaves], dout[idx]))
+    return out
+
+
+def ring_position(pgs, positions, kernel, scale):
     """One ring position's forward and backward of its chunks, as the trainer's ring runs them."""
     rc = ContextParallel.from_process_groups(pgs).ring
-    idx = local_token_indices(leaves[0].shape[0], 1, rc.size, 0, rc.ring_index)
-    local = [x.detach()[idx] for x in leaves]  # [s/R, b, h, d], contiguous as after the all-to-all
-    q, k, v, dout_k = kernel_views(local, dout[idx])
+    q, k, v, dout_k = positions[rc.ring_index]
     # what the ring's autograd function does around the two (called directly: autograd runs CUDA
     # backwards on one thread, where these positions would wait for each other)
     out, lse = ring_forward(q, k, v, rc, kernel, scale)
@@ -203,15 +215,15 @@ def ring_position(pgs, leaves, dout, kernel, scale):
 
 def bench_ring(seq, args, device, dtype):
     """{R: seconds of R positions' fwd+bwd, one after another}, and the bare kernel's seconds."""
-    kernel, bare, _, _ = steps(seq, args, device, dtype)
     leaves, dout = inputs(seq, args, device, dtype)
+    kernel = select_kernel(args.backend, device, dtype, args.head_dim)
     scale = default_scale(args.head_dim, None)
     times = {}
     for r in args.ring:
-        grid = RankGrid(world_size=r, cp=r)
-        times[r] = timed(lambda: run_threads(ring_position, grid, leaves, dout, kernel, scale), device,
+        grid, positions = RankGrid(world_size=r, cp=r), position_inputs(leaves, dout, r)
+        times[r] = timed(lambda: run_threads(ring_position, grid, positions, kernel, scale), device,
                          max(args.warmup, 1), args.iters)
-    return times, timed(bare, device, args.warmup, args.iters)
+    return times, timed(bare_step(kernel, *kernel_views(leaves, dout), scale), device, args.warmup, args.iters)
 
 
 def ring_table(args, device, dtype) -> None:

@@ -128,12 +128,13 @@ def test_the_ring_table_times_the_whole_sequences_gradients(ring):
     from megatron.longseq.attention.loopback import run_threads
     from megatron.longseq.attention.placement import local_token_indices
     from megatron.longseq.parallel_state import RankGrid
-    from tools.benchmark_attention import inputs, kernel_views, ring_position
+    from tools.benchmark_attention import inputs, kernel_views, position_inputs, ring_position
 
     args, device = SimpleNamespace(batch=2, heads=4, kv_heads=2, head_dim=16), torch.device("cpu")
     leaves, dout = inputs(64, args, device, torch.float32)
     kernel, scale = select_kernel("auto", device, torch.float32, 16), default_scale(16, None)
-    ranks = run_threads(ring_position, RankGrid(world_size=ring, cp=ring), leaves, dout, kernel, scale)
+    ranks = run_threads(ring_position, RankGrid(world_size=ring, cp=ring), position_inputs(leaves, dout, ring),
+                        kernel, scale)
     q, k, v, dout_k = kernel_views(leaves, dout)
     out, lse = kernel.forward(q, k, v, True, scale)
     want = kernel.backward(dout_k, q, k, v, out, lse, True, scale)

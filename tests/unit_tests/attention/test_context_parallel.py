@@ -17,11 +17,15 @@ from tests.unit_tests.dist_utils import grid_groups, init_single_rank_world, run
 S, B, D = 32, 2, 8
 
 
-def full_problem(heads, groups, seed=0, s=S, b=B, d=D):
+def full_problem(heads, groups, seed=0, s=S, b=B, d=D, with_reference=True):
+    """(q, k, v, dout, positions) of the whole sequence and the float64 (out, dq, dk, dv) (None
+    without `with_reference`: a rank that checks nothing itself)."""
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(s, b, n, d, generator=g) for n in (heads, groups, groups))
     dout = torch.randn(s, b, heads * d, generator=g)
     positions = torch.arange(s).expand(b, s)
+    if not with_reference:
+        return (q, k, v, dout, positions), None
     leaves = [x.double().requires_grad_() for x in (q, k, v)]
     ref = reference(*leaves, positions)
     ref.backward(dout.double())

@@ -168,9 +168,10 @@ def test_document_pieces_at_one_rank_match_the_dense_mask_path():
 
 # ---- every mode on gloo ranks ---------------------------------------------------------------------
 
-def document_problem(heads, groups, starts, seed=0, d=D):
+def document_problem(heads, groups, starts, seed=0, d=D, with_reference=True):
     """q, k, v, dout of the whole samples (starts [b, s]); positions restart at every document
-    (--reset-position-ids); float64 reference output and gradients under the document mask."""
+    (--reset-position-ids); float64 reference output and gradients under the document mask (None
+    without `with_reference`)."""
     b, s = starts.shape
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(s, b, n, d, generator=g) for n in (heads, groups, groups))
@@ -178,6 +179,8 @@ def document_problem(heads, groups, starts, seed=0, d=D):
     doc = document_ids(starts)
     first = torch.stack([torch.searchsorted(doc[i], doc[i]) for i in range(b)])  # each token's doc start
     positions = torch.arange(s).expand(b, s) - first
+    if not with_reference:
+        return (q, k, v, dout, positions), None
     leaves = [x.double().requires_grad_() for x in (q, k, v)]
     ref = reference(*leaves, positions, dense_document_mask(starts))
     ref.backward(dout.double())

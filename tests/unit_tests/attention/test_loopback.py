@@ -19,6 +19,7 @@ from tests.unit_tests.attention.test_context_parallel import full_problem
 from tests.unit_tests.attention.test_core_attention import config
 from tests.unit_tests.attention.test_documents import document_problem, per_sample
 from tests.unit_tests.dist_utils import PRELOAD
+from tools.benchmark_attention import counted
 
 CUDA = torch.cuda.is_available()
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -41,11 +42,12 @@ def grid_of(mode: str) -> RankGrid:
 
 def attend(pgs, mode, device, dtype, shape):
     """This rank's share of the whole problem through LongSeqCoreAttention: (indices, out, dq, dk,
-    dv). On CPU through the contract-checked kernel (a call a CUDA kernel would misread raises); on
+    dv); the reference is the parent's, made once. On CPU through the contract-checked kernel (a call a CUDA kernel would misread raises); on
     a GPU through the kernel `auto` picks there."""
     *_, heads, groups = MODES[mode]
     s, b, d = shape
-    (q, k, v, dout, positions), _ = full_problem(heads, groups, s=s, b=b, d=d)
+    (q, k, v, dout, positions), _ = full_problem(heads, groups, s=s, b=b, d=d,
+                                                 with_reference=False)
     cp = ContextParallel.from_process_groups(pgs)
     idx = local_token_indices(s, cp.hp_size, cp.ring.size, cp.hp_index, cp.ring.ring_index)
     attn = LongSeqCoreAttention(config(heads, groups, d=d), layer_number=1, attn_mask_type=None, cp=cp).to(device)
@@ -128,22 +130,19 @@ def packed_starts(s: int, b: int, mean: float) -> torch.Tensor:
 def attend_documents(pgs, mode, device, dtype, starts, d):
     """This rank's share of packed samples: (per-sample indices, out, dq, dk, dv, varlen calls)."""
     *_, heads, groups = MODES[mode]
-    (q, k, v, dout, positions), _ = document_problem(heads, groups, starts, d=d)
+    (q, k, v, dout, positions), _ = document_problem(heads, groups, starts, d=d, with_reference=False)
     cp = ContextParallel.from_process_groups(pgs)
     idx = [local_token_indices(starts.shape[1], cp.hp_size, cp.ring.size, cp.hp_index, cp.ring.ring_index,
                                starts[b]) for b in range(starts.shape[0])]
     attn = LongSeqCoreAttention(config(heads, groups, d=d), layer_number=1, attn_mask_type=None, cp=cp).to(device)
     attn._kernel = kernel = ContractKernel() if device == "cpu" else select_kernel("auto", torch.device(device),
                                                                                    DTYPES[dtype], d)
-    calls = []
-    if hasattr(kernel, "forward_varlen"):  # count the varlen path's calls (an instance attribute)
-        inner = kernel.forward_varlen
-        kernel.forward_varlen = lambda *a, **kw: calls.append(1) or inner(*a, **kw)
+    calls = counted(kernel)
     leaves = [per_sample(x, idx, 0).to(device, DTYPES[dtype]).requires_grad_() for x in (q, k, v)]
     params = AttentionInputs(position_ids=per_sample(positions.t(), idx, 0).t().to(device), document_starts=starts)
     out = attn(*leaves, None, packed_seq_params=params)
     out.backward(per_sample(dout, idx, 0).to(device, DTYPES[dtype]))
-    return idx, out.detach(), *(x.grad for x in leaves), len(calls)
+    return idx, out.detach(), *(x.grad for x in leaves), calls["varlen"]
 
 
 def check_documents(mode, device, dtype, starts, d, atol_out, atol_grad, rtol=0.0):
