@@ -42,8 +42,8 @@ def grid_of(mode: str) -> RankGrid:
 
 def attend(pgs, mode, device, dtype, shape):
     """This rank's share of the whole problem through LongSeqCoreAttention: (indices, out, dq, dk,
-    dv); the reference is the parent's, made once. On CPU through the contract-checked kernel (a call a CUDA kernel would misread raises); on
-    a GPU through the kernel `auto` picks there."""
+    dv); the reference is the parent's, made once. On CPU through the contract-checked kernel (a
+    call a CUDA kernel would misread raises); on a GPU through the kernel `auto` picks there."""
     *_, heads, groups = MODES[mode]
     s, b, d = shape
     (q, k, v, dout, positions), _ = full_problem(heads, groups, s=s, b=b, d=d,
