@@ -9,10 +9,10 @@ The model has Llama-2-7B's layer shape (h 4096, 32 heads, SwiGLU 11008, RMSNorm,
 mode the sequence lengths are tried in increasing order until one runs out of memory (or its time);
 each run is pretrain_gpt.py on mock data, micro-batch 1, --iters iterations of which --warmup are
 dropped. What fits at a length, roughly: 18 bytes of model and optimizer state per parameter (1.5 G
-parameters at 6 layers: 27 GB); logits s x vocab in bf16 and again in fp32 for the loss (25 GB at
-128K and vocabulary 32000); and MEMO's two rounding buffers, each a layer's activations (about
-20 GB at 128K), where the model's last two layers stay as the paper has it: few layers leave MEMO
-little to manage.
+parameters at 6 layers: 27 GB); the logits, s x vocab in bf16 and again in fp32 for the loss (25 GB
+at 128K and vocabulary 32000) unless --loss-chunk makes them a chunk's (1.5 GB for 8192 tokens);
+MEMO's two rounding buffers, each a layer's activations (about 20 GB at 128K), where the model's
+last two layers stay as the paper has it: few layers leave MEMO little to manage.
 Fragmentation is read from the memory line printed at the end of a run, whose maxima are the
 training iterations' (set-up excluded): max reserved minus max allocated -- what the allocator held
 beyond the tensors at the peak -- and the allocator's retries, for MEMO with torch's caching
@@ -53,7 +53,7 @@ def command(args, mode: str, seq: int):
              f"--micro-batch-size 1 --global-batch-size 1 --train-iters {args.iters} --lr 1e-4 "
              f"--lr-warmup-iters 0 --hidden-dropout 0 --attention-dropout 0 --mock-data "
              f"--tokenizer-type NullTokenizer --log-interval 1 --log-throughput --eval-iters 0 "
-             f"--timing-log-level 1 {MODES[mode]}").split()
+             f"--timing-log-level 1 --cross-entropy-chunk-tokens {args.loss_chunk} {MODES[mode]}").split()
     if args.bf16:
         flags.append("--bf16")
     return [sys.executable, str(ROOT / "pretrain_gpt.py")] + flags + args.extra
@@ -82,6 +82,9 @@ def main(argv=None):
     p.add_argument("--no-bf16", dest="bf16", action="store_false")
     p.add_argument("--seq-lengths", type=int, nargs="+", default=[16384, 32768, 65536, 131072])
     p.add_argument("--modes", nargs="+", choices=sorted(MODES), default=["none", "full", "memo", "memo-planned"])
+    p.add_argument("--loss-chunk", type=int, default=8192,
+                   help="--cross-entropy-chunk-tokens of every run: the logits of this many tokens at a time "
+                        "(0: whole, as the rows measured before it existed)")
     p.add_argument("--iters", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     add_run_limits(p)

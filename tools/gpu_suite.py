@@ -12,8 +12,8 @@ Parts, with their seconds on one H100 (estimates where marked ~):
              load-balanced ring's blocks (R = 2, 4, 8) against one kernel [~150; 80 without the ring]
   bandwidth  pinned host <-> device copies, MEMO's LP input [~10]
   smoke      pretrain_gpt.py in bf16 with each feature at degree 1 (recompute, Selective
-             Checkpoint++, MEMO, Seq1F1B segments, packed documents): its loss curve against
-             the plain run's [~350]
+             Checkpoint++, MEMO, Seq1F1B segments, packed documents, cross-entropy chunks): its
+             loss curve against the plain run's [~400]
   gpt        GPT 1.3B tokens/s and MFU at 4K-32K [~400; one length ~75-110]
   memo-none, memo-full, memo, memo-planned
              7B-shaped layers: the longest sequence and its MFU with no / full recomputation, MEMO
@@ -45,7 +45,8 @@ PY = sys.executable
 GPU_TESTS = ["tests/unit_tests/attention/test_kernels.py", "tests/unit_tests/attention/test_varlen.py",
              "tests/unit_tests/attention/test_gpu_contract.py", "tests/unit_tests/attention/test_loopback.py",
              "tests/unit_tests/memo", "tests/unit_tests/training/test_gpu_paths.py",
-             "tests/unit_tests/test_random.py", "tests/unit_tests/pipeline/test_p2p.py"]
+             "tests/unit_tests/test_random.py", "tests/unit_tests/pipeline/test_p2p.py",
+             "tests/unit_tests/test_chunked_loss.py"]
 
 # pretrain_gpt.py's runs of the smoke part: a small Llama-shaped GPT on mock data (its samples
 # hold several documents: --reset-attention-mask has something to do)
@@ -69,6 +70,7 @@ FEATURES = {  # name: (flags, whether its loss curve must be the plain run's)
     "Selective Checkpoint++": (f"{FULL} --selective-checkpoint-pp", True),
     "MEMO": ("--memo --memo-swap-fraction auto --memo-planner greedy", True),
     "Seq1F1B K=2": ("--pipe-sp-splits 2 --pipe-sp-strategy uniform_comp", True),
+    "cross-entropy chunks": ("--cross-entropy-chunk-tokens 1000", True),
     "packed documents": ("--reset-attention-mask --reset-position-ids", False),  # attends within documents
 }
 

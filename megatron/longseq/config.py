@@ -18,3 +18,5 @@ class LongSeqConfig(TransformerConfig):
     recompute_core_attention: bool = False
     # Selective Checkpoint++ (LoongTrain 5.2): under full recompute keep attention (out, lse).
     selective_checkpoint_pp: bool = False
+    # --cross-entropy-chunk-tokens: the output layer and the loss this many tokens at a time (0: whole).
+    cross_entropy_chunk_tokens: int = 0

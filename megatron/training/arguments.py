@@ -277,6 +277,11 @@ def _training(p):
     g.add_argument("--selective-checkpoint-pp", action="store_true",
                    help="with --recompute-granularity full, keep attention (out, lse) instead of "
                         "recomputing it (LoongTrain's Selective Checkpoint++)")
+    g.add_argument("--cross-entropy-chunk-tokens", type=int, default=0,
+                   help="compute the output layer and the loss this many tokens at a time, so that the logits "
+                        "(tokens x vocabulary, in the model's dtype and again in fp32) never exist whole; the "
+                        "backward recomputes each chunk's logits (one more output-layer GEMM per token). "
+                        "0: all tokens at once (Megatron's)")
     g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local")
     g.add_argument("--attention-backend", choices=["flash", "fused", "unfused", "local", "auto"], default="auto",
                    help="the local attention kernel (under every context-parallel mode). CPU: torch's CPU "

@@ -7,7 +7,6 @@ from typing import List
 import torch
 import torch.nn.functional as F
 
-from megatron.core.models.gpt import GPTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.module import Float16Module
@@ -15,6 +14,7 @@ from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.longseq.attention.context_parallel import ContextParallel
 from megatron.longseq.attention.rope import RopeScaling
 from megatron.longseq.attention.spec import gpt_block_spec
+from megatron.longseq.chunked_loss import LongSeqGPTModel
 from megatron.longseq.config import LongSeqConfig
 from megatron.longseq.recompute import apply_full_recompute
 from megatron.training.init import initialize_parameters
@@ -108,6 +108,7 @@ def transformer_config(args) -> LongSeqConfig:
         rope_scaling=rope_scaling(args),
         recompute_core_attention=args.recompute_granularity == "selective",
         selective_checkpoint_pp=args.selective_checkpoint_pp,
+        cross_entropy_chunk_tokens=args.cross_entropy_chunk_tokens,
     )
 
 
@@ -142,7 +143,7 @@ def build_model_chunks(args, pgs, device: torch.device) -> List[torch.nn.Module]
     chunks = []
     for c in range(v):
         vs = c * p + stage
-        chunks.append(GPTModel(
+        chunks.append(LongSeqGPTModel(
             config=config,
             transformer_layer_spec=gpt_block_spec(config, chunk_layers(config, stage, c), args.transformer_impl, cp),
             vocab_size=args.padded_vocab_size,

@@ -354,6 +354,8 @@ def _train_samples(args):
 
 
 def _recompute_args(args):
+    _require(args.cross_entropy_chunk_tokens >= 0,
+             f"--cross-entropy-chunk-tokens must be >= 0 (0: whole), got {args.cross_entropy_chunk_tokens}")
     gran, method, n = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
     if gran == "full":
         _require(method is not None, "--recompute-granularity full needs --recompute-method uniform|block")

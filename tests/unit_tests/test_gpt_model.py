@@ -13,6 +13,8 @@ CASES = {
                             "--disable-bias-linear"),
     # q/k norms are shared by every head: with tp their gradient is a partial sum (tagged, summed below)
     "qk-layernorm-1p": "--qk-layernorm --apply-layernorm-1p --position-embedding-type rope",
+    # the loss a chunk at a time: the vocabulary-parallel sums over tp, the tied weight's gradient
+    "cross-entropy-chunks": "--cross-entropy-chunk-tokens 10",
 }
 
 
