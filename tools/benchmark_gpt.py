@@ -44,20 +44,26 @@ FIELDS = {
 
 def command(args, seq: int, recompute: bool):
     gbs = max(1, args.tokens_per_iter // seq)
+    # --profile: one more iteration under torch's profiler, and one after it that pays for writing it
+    iters = args.iters + 2 if args.profile else args.iters
     flags = (f"{MODELS[args.model]} --seq-length {seq} --max-position-embeddings {seq} "
              f"--position-embedding-type rope --micro-batch-size 1 --global-batch-size {gbs} "
-             f"--train-iters {args.iters} --lr 1e-4 --lr-warmup-iters 0 --hidden-dropout 0 "
+             f"--train-iters {iters} --lr 1e-4 --lr-warmup-iters 0 --hidden-dropout 0 "
              f"--attention-dropout 0 --mock-data --tokenizer-type NullTokenizer --log-interval 1 "
              f"--log-throughput --eval-iters 0 --num-workers 2").split()
     if args.bf16:
         flags.append("--bf16")
     if recompute:
         flags += "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1".split()
+    if args.profile:
+        flags += (f"--profile --use-pytorch-profiler --profile-step-start {args.iters} "
+                  f"--profile-step-end {args.iters + 1}").split()
     return [sys.executable, str(ROOT / "pretrain_gpt.py")] + flags + args.extra
 
 
-def parse(stdout: str, warmup: int):
-    rows = [line for line in stdout.splitlines() if "iteration" in line and "lm loss" in line][warmup:]
+def parse(stdout: str, warmup: int, upto: int = None):
+    """Means over the logged iterations after the first `warmup`, up to the `upto`-th."""
+    rows = [line for line in stdout.splitlines() if "iteration" in line and "lm loss" in line][warmup:upto]
     if not rows:
         return None
     out = {}
@@ -128,17 +134,28 @@ def add_run_limits(p, timeout: float = 540.0) -> None:
     p.add_argument("--log-dir", help="keep each run's output here")
 
 
+def profile_lines(text: str) -> list:
+    """pretrain_gpt.py --profile's table (markdown) from a run's output."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if "] profile of " in line), None)
+    if start is None:
+        return []
+    end = next((i for i in range(start + 1, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return lines[start:end]
+
+
 def run(args, seq: int, runs: Runs):
-    """(metrics or None, full recompute?, command, status): out of memory is retried with it."""
+    """(metrics or None, full recompute?, command, status, profile table lines): out of memory is
+    retried with full recompute."""
     for recompute in (False, True):
         cmd = command(args, seq, recompute)
         status, text = runs(cmd, f"{seq}_{'full' if recompute else 'none'}")
         if status == "ok":
-            res = parse(text, args.warmup)
-            return res, recompute, cmd, status if res else "no iteration after the warm-up"
+            res = parse(text, args.warmup, args.iters)
+            return res, recompute, cmd, status if res else "no iteration after the warm-up", profile_lines(text)
         if status != "out of memory":
             break
-    return None, recompute, cmd, status
+    return None, recompute, cmd, status, []
 
 
 def shown(cmd) -> str:
@@ -166,22 +183,29 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=12)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--no-bf16", dest="bf16", action="store_false")
+    p.add_argument("--profile", action="store_true",
+                   help="profile one more iteration after the measured ones (torch's profiler) and print its ops "
+                        "by device time after the table; it and the next are not in the means")
     add_run_limits(p)
     p.add_argument("extra", nargs="*", help="more pretrain_gpt.py flags (after --)")
     args = p.parse_args(argv)
     runs = Runs(args, "gpt")
+    profiles = []
     print(f"device: {device_name()} | date: {datetime.date.today()} | model: {args.model} | "
           f"{'bf16' if args.bf16 else 'fp32'} | {args.tokens_per_iter} tokens per iteration")
     print("| seq | tokens/s/GPU | TFLOP/s/GPU | MFU | ms/iter | recompute | command |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for seq in args.seq_lengths:
-        res, recompute, cmd, status = run(args, seq, runs)
+        res, recompute, cmd, status, profile = run(args, seq, runs)
+        profiles += [f"Profile at {seq}:", ""] + profile + [""] if profile else []
         if res is None:
             print(f"| {seq} | {status} | | | | {'full' if recompute else 'none'} | `{shown(cmd)}` |", flush=True)
             continue
         mfu = f"{res['mfu']:.1f}%" if res["mfu"] is not None else "n/a"
         print(f"| {seq} | {res['tokens']:.0f} | {res['tflops']:.1f} | {mfu} | {res['ms']:.0f} | "
               f"{'full' if recompute else 'none'} | `{shown(cmd)}` |", flush=True)
+    if profiles:
+        print("\n" + "\n".join(profiles), flush=True)
 
 
 if __name__ == "__main__":

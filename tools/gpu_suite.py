@@ -14,7 +14,8 @@ Parts, with their seconds on one H100 (estimates where marked ~):
   smoke      pretrain_gpt.py in bf16 with each feature at degree 1 (recompute, Selective
              Checkpoint++, MEMO, Seq1F1B segments, packed documents, cross-entropy chunks): its
              loss curve against the plain run's [~400]
-  gpt        GPT 1.3B tokens/s and MFU at 4K-32K [~400; one length ~75-110]
+  gpt        GPT 1.3B tokens/s and MFU at 4K-32K, and where each length's step spends its device
+             time (one profiled iteration after the measured ones) [~400; one length ~75-110]
   memo-none, memo-full, memo, memo-planned
              7B-shaped layers: the longest sequence and its MFU with no / full recomputation, MEMO
              with torch's caching allocator and with the planned one, and fragmentation [~540 each]
@@ -121,9 +122,10 @@ def _smoke(cuda: bool):
 
 def _gpt(cuda: bool):
     if cuda:
-        return [("bench", tool("benchmark_gpt.py", "--timeout", "150", "--log-dir", "/tmp/gpu_suite_gpt"), 600)]
+        return [("bench", tool("benchmark_gpt.py", "--profile", "--timeout", "150", "--log-dir", "/tmp/gpu_suite_gpt"),
+                 600)]
     return [("bench", tool("benchmark_gpt.py", "--model", "tiny", "--seq-lengths", "128", "--iters", "3",
-                           "--warmup", "1", "--no-bf16", "--", "--num-workers", "0"), 300)]
+                           "--warmup", "1", "--no-bf16", "--profile", "--", "--num-workers", "0"), 300)]
 
 
 def _memo(mode: str, cuda: bool):
@@ -149,6 +151,8 @@ def table_lines(text: str) -> list:
     keep = []
     for i, line in enumerate(lines):
         follows = i + 1 < len(lines) and lines[i + 1].startswith("|")
+        if follows and line.strip() and not line.startswith("|"):  # a heading, apart from the table before
+            keep += [""] if keep else []
         if line.startswith(("|", "device:")) or (follows and line.strip() and not line.startswith("|")):
             keep.append(line)
     return keep

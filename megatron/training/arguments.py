@@ -409,6 +409,21 @@ def _checkpoint_and_logging(p):
     g.add_argument("--pipeline-timeline", type=str, default=None,
                    help="record the last training iteration's schedule here (one JSON per stage), "
                         "for tools/pipeline_simulator.py --from-run")
+    g.add_argument("--profile", action="store_true",
+                   help="profile the iterations after --profile-step-start completed ones up to --profile-step-end "
+                        "on --profile-ranks: under torch's profiler with --use-pytorch-profiler, else between "
+                        "cudaProfilerStart/Stop for nsys --capture-range=cudaProfilerApi (CUDA only)")
+    g.add_argument("--use-pytorch-profiler", action="store_true",
+                   help="--profile with torch's profiler: the trace under --tensorboard-dir, and a table of the "
+                        "ops that took the most (device) time printed by each profiled rank")
+    g.add_argument("--profile-step-start", type=int, default=10, help="--profile from this many completed iterations")
+    g.add_argument("--profile-step-end", type=int, default=12, help="--profile up to this many completed iterations")
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0], help="the global ranks --profile covers")
+    g.add_argument("--record-memory-history", action="store_true",
+                   help="record the CUDA caching allocator's history; the last rank writes a snapshot to "
+                        "--memory-snapshot-path after every logged iteration (https://pytorch.org/memory_viz)")
+    g.add_argument("--memory-snapshot-path", default="snapshot.pickle",
+                   help="where --record-memory-history writes its snapshot")
     g.add_argument("--peak-tflops", type=float, default=None,
                    help="peak dense TFLOP/s of one device for MFU (default: by device name)")
 

@@ -35,6 +35,7 @@ from megatron.training.memo_setup import setup_memo
 from megatron.training.loss_scaler import loss_scaler
 from megatron.training.model import fusions, params_dtype, unwrap
 from megatron.training.optimizer import DistributedAdam
+from megatron.training.profiling import StepProfiler
 from megatron.training.reporting import Reporter
 from megatron.training.rerun import Injector, Replay, RerunMachine, loss_checks, this_device
 from megatron.training.timers import Timers
@@ -320,7 +321,12 @@ def _collect_garbage(args, iteration: int) -> None:
 
 
 def train(forward_step_func, train_iter, valid_iter, state: TrainState, args, pgs, timers, tb) -> bool:
-    """The loop. Returns True when an exit condition (exits.py) stopped it."""
+    """The loop, under --profile's profiler. Returns True when an exit condition (exits.py) stopped it."""
+    with StepProfiler(args, device_of(args)) as profiler:
+        return _train_loop(forward_step_func, train_iter, valid_iter, state, args, pgs, timers, tb, profiler)
+
+
+def _train_loop(forward_step_func, train_iter, valid_iter, state, args, pgs, timers, tb, profiler) -> bool:
     if args.manual_gc:  # every rank collects at the same iterations, not when its own counts say
         gc.disable()
         gc.collect()
@@ -330,6 +336,7 @@ def train(forward_step_func, train_iter, valid_iter, state: TrainState, args, pg
     while state.iteration < args.train_iters:
         record = bool(args.pipeline_timeline) and state.iteration + 1 == args.train_iters
         state.pipeline.record_timeline = record
+        profiler.before_step(state.iteration)
         losses, grad_norm, num_zeros, skipped = train_step(forward_step_func, train_iter, state, args, pgs, timers)
         if record:
             write_timeline(args.pipeline_timeline, state.pipeline, pgs)
@@ -337,6 +344,7 @@ def train(forward_step_func, train_iter, valid_iter, state: TrainState, args, pg
         state.consumed_train_samples += args.global_batch_size
         state.flops_so_far += reporter.flops_per_iter
         reporter.iteration(state, losses, grad_norm, num_zeros, skipped)
+        profiler.after_step(state.iteration, logged=state.iteration % args.log_interval == 0)
         if args.rerun_mode == "report_stats" and state.iteration % args.log_interval == 0:
             report_determinism(state.rerun, state.iteration)
         if state.saver is not None:

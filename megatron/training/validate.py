@@ -42,7 +42,7 @@ def validate_args(args: argparse.Namespace, world_size: int, errors: Sequence[st
     errors = list(errors)
     for check in (_required, _model_args, partial(_parallel_args, world_size=world_size), _batch_args,
                   _precision_args, _overlap_args, _pipeline_args, _schedule_args, _recompute_args, _memo_args,
-                  _data_args, _rerun_args, _checkpoint_args):
+                  _data_args, _rerun_args, _checkpoint_args, partial(_profile_args, world_size=world_size)):
         try:
             check(args)
         except ArgsError as err:  # the first problem of each group of flags
@@ -472,6 +472,18 @@ def data_prefixes(data_path):
         return list(data_path)
     _require(len(data_path) % 2 == 0, f"--data-path with weights needs pairs 'weight prefix', got {data_path}")
     return list(data_path[1::2])
+
+
+def _profile_args(args, world_size):
+    cuda = args.device_type == "cuda"
+    if args.profile:
+        start, end = args.profile_step_start, args.profile_step_end
+        _require(0 <= start < end, f"need 0 <= --profile-step-start {start} < --profile-step-end {end}")
+        outside = [r for r in args.profile_ranks if not 0 <= r < world_size]
+        _require(not outside, f"--profile-ranks {outside} outside the {world_size} ranks")
+        _require(args.use_pytorch_profiler or cuda,
+                 "--profile without --use-pytorch-profiler starts CUDA's profiler (nsys), which needs CUDA")
+    _require(not args.record_memory_history or cuda, "--record-memory-history records the CUDA allocator: needs CUDA")
 
 
 def _checkpoint_args(args):

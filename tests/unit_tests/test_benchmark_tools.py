@@ -86,6 +86,26 @@ def test_fragmentation_is_read_at_the_peak_of_the_training_iterations(monkeypatc
     assert cells[2:7] == ["40.0%", "400.0", "2000", "8000", "2"], row  # iteration 2 only; 60000 - 52000
 
 
+def test_the_profiled_iterations_are_left_out_of_the_gpt_means(monkeypatch, capsys):
+    """--profile runs two iterations more: one under the profiler, one that pays for writing it;
+    the means stop before them, and the profile's table follows the results table."""
+    logged = [f"iteration {i} | lm loss: 2.0 | elapsed time per iteration (ms): {ms} | throughput per GPU "
+              f"(TFLOP/s/GPU): 1.0 | tokens per second per GPU: 1000" for i, ms in
+              enumerate([900, 100, 100, 500, 700], 1)]
+    profile = ["[rank 0] profile of iteration 4 (ops by device time):", "| op | self device time (ms) |",
+               "| aten::mm | 7.00 |"]
+    text = "\n".join(logged[:4] + profile + logged[4:] + ["done"])
+    seen = []
+    monkeypatch.setattr(benchmark_gpt.Runs, "__call__", lambda self, cmd, name: (seen.append(cmd), ("ok", text))[1])
+    monkeypatch.setattr(benchmark_gpt, "device_name", lambda: "CPU")
+    benchmark_gpt.main(["--model", "tiny", "--seq-lengths", "128", "--iters", "3", "--warmup", "1", "--profile"])
+    cmd = " ".join(seen[0])
+    assert "--train-iters 5" in cmd and "--profile-step-start 3 --profile-step-end 4" in cmd
+    out = capsys.readouterr().out
+    assert "| 128 | 1000 | 1.0 | n/a | 100 | none |" in out  # iterations 2-3: not 4 (profiled) nor 5 (writing it)
+    assert out.rstrip().endswith("\n".join(profile)), out
+
+
 class _QSized(TorchDispatchMode):
     """The operators that make a tensor at least as large as q, views left out."""
     VIEWS = {"permute", "view", "alias", "detach", "expand", "as_strided", "_unsafe_view", "t", "transpose"}

@@ -1,0 +1,98 @@
+"""Megatron's profiling flags: where a step's time and memory go.
+
+--profile covers the iterations after --profile-step-start completed ones up to --profile-step-end
+completed ones (Megatron's defaults 10 and 12: the 11th and 12th), on the ranks in
+--profile-ranks:
+- with --use-pytorch-profiler, under torch's profiler: the trace goes under --tensorboard-dir
+  (tensorboard's profile plugin or Perfetto read it) and the ops that took the most time, device
+  time on a GPU, are printed as a table -- what the step spends without opening a trace viewer;
+- without it, between cudaProfilerStart and cudaProfilerStop, with NVTX ranges per op, for
+  `nsys profile --capture-range=cudaProfilerApi` (CUDA only).
+--record-memory-history records the CUDA caching allocator's events from the start of training; the
+last rank writes a snapshot to --memory-snapshot-path after every logged iteration (open it at
+https://pytorch.org/memory_viz: which tensors were live at the peak, and where the free gaps were).
+"""
+from __future__ import annotations
+
+import contextlib
+import pickle
+
+import torch
+import torch.distributed as dist
+
+TABLE_ROWS = 25
+
+
+def _activities(cuda: bool) -> list:
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    return acts + [torch.profiler.ProfilerActivity.CUDA] if cuda else acts
+
+
+def profile_table(prof, cuda: bool, rows: int = TABLE_ROWS) -> str:
+    """The ops of a finished profile by their own time (device time on a GPU, host time on CPU),
+    as a markdown table: what a step spends, readable in a log and pasteable into the docs."""
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, attr), reverse=True)
+    total = sum(getattr(e, attr) for e in events) or 1.0
+    lines = [f"| op | self {'device' if cuda else 'host'} time (ms) | share | calls |", "| --- | --- | --- | --- |"]
+    lines += [f"| {e.key[:80].replace('|', '/')} | {getattr(e, attr) / 1e3:.2f} | {getattr(e, attr) / total:.1%} | "
+              f"{e.count} |" for e in events[:rows]]
+    return "\n".join(lines + [f"| (all {len(events)} ops) | {total / 1e3:.2f} | 100% | |"])
+
+
+class StepProfiler(contextlib.AbstractContextManager):
+    """Start and stop around the training loop's steps; closing stops a profile the run did not
+    reach the end of (an exit condition, fewer iterations than --profile-step-end), so that what
+    was recorded is still written."""
+
+    def __init__(self, args, device: torch.device):
+        self.args, self.cuda = args, device.type == "cuda"
+        self.rank = dist.get_rank()
+        self.on = args.profile and self.rank in args.profile_ranks
+        self.torch_prof = None
+        self.nvtx = None
+        if args.record_memory_history:
+            torch.cuda.memory._record_memory_history(max_entries=100000)
+
+    def before_step(self, done: int) -> None:
+        """`done`: the iterations completed before this step."""
+        if self.on and done == self.args.profile_step_start:
+            self._start()
+
+    def after_step(self, done: int, logged: bool) -> None:
+        if self.on and done == self.args.profile_step_end:
+            self._stop()
+        if self.args.record_memory_history and logged and self.rank == dist.get_world_size() - 1:
+            with open(self.args.memory_snapshot_path, "wb") as f:
+                pickle.dump(torch.cuda.memory._snapshot(), f)
+
+    def __exit__(self, *exc) -> None:
+        self._stop()
+
+    def _start(self) -> None:
+        if self.args.use_pytorch_profiler:
+            self.torch_prof = torch.profiler.profile(activities=_activities(self.cuda), record_shapes=True)
+            self.torch_prof.start()
+        else:
+            torch.cuda.cudart().cudaProfilerStart()
+            self.nvtx = torch.autograd.profiler.emit_nvtx(record_shapes=True)
+            self.nvtx.__enter__()
+
+    def _stop(self) -> None:
+        if self.torch_prof is not None:
+            prof, self.torch_prof = self.torch_prof, None
+            prof.stop()
+            self._report(prof)
+        if self.nvtx is not None:
+            self.nvtx.__exit__(None, None, None)
+            self.nvtx = None
+            torch.cuda.cudart().cudaProfilerStop()
+
+    def _report(self, prof) -> None:
+        first, last = self.args.profile_step_start + 1, self.args.profile_step_end
+        where = f"iterations {first}-{last}" if last > first else f"iteration {first}"
+        if self.args.tensorboard_dir:
+            torch.profiler.tensorboard_trace_handler(self.args.tensorboard_dir, worker_name=f"rank{self.rank}")(prof)
+            where += f", trace under {self.args.tensorboard_dir}"
+        print(f"[rank {self.rank}] profile of {where} (ops by {'device' if self.cuda else 'host'} time):\n"
+              f"{profile_table(prof, self.cuda)}", flush=True)

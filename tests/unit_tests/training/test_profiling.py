@@ -1,0 +1,68 @@
+"""Megatron's --profile flags: which iterations are profiled, what is written, what is refused."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron.training.bad_input import ArgsError
+from megatron.training.profiling import StepProfiler
+from tests.unit_tests.dist_utils import init_single_rank_world
+from tests.unit_tests.model_utils import tiny_args
+
+
+def _profiler(tmp_path, extra=""):
+    init_single_rank_world()
+    args = tiny_args(f"--profile --use-pytorch-profiler --tensorboard-dir {tmp_path} {extra}")
+    return StepProfiler(args, torch.device("cpu"))
+
+
+def _steps(profiler, first, last, work):
+    """Iterations first..last (1-based) as the training loop runs them."""
+    for it in range(first, last + 1):
+        profiler.before_step(it - 1)
+        work(it)
+        profiler.after_step(it, logged=True)
+
+
+def _named_op(it):
+    with torch.profiler.record_function(f"step{it}"):
+        torch.ones(8).sum()
+
+
+def test_megatrons_window_profiles_the_11th_and_12th_iterations(tmp_path, capsys):
+    """--profile-step-start 10 --profile-step-end 12 (Megatron's defaults): the iterations after 10
+    completed ones up to 12; the table is printed and the trace written under --tensorboard-dir."""
+    with _profiler(tmp_path) as profiler:
+        _steps(profiler, 1, 14, _named_op)
+    out = capsys.readouterr().out
+    assert "[rank 0] profile of iterations 11-12" in out
+    ops = {line.split(" | ")[0][2:] for line in out.splitlines() if line.startswith("| ")}
+    assert {"step11", "step12"} <= ops and not ops & {"step10", "step13"}, ops
+    assert list(Path(tmp_path).glob("rank0.*.pt.trace.json"))
+
+
+def test_a_run_that_ends_inside_the_window_still_reports(tmp_path, capsys):
+    with _profiler(tmp_path, "--profile-step-start 1 --profile-step-end 5") as profiler:
+        _steps(profiler, 1, 3, _named_op)  # an exit condition after iteration 3
+    assert "profile of iterations 2-5" in capsys.readouterr().out
+
+
+def test_a_rank_outside_profile_ranks_profiles_nothing(tmp_path, capsys):
+    profiler = _profiler(tmp_path, "--profile-step-start 0 --profile-step-end 1")
+    profiler.on = False  # as on a rank not in --profile-ranks
+    with profiler:
+        _steps(profiler, 1, 2, _named_op)
+    assert "profile of" not in capsys.readouterr().out and not list(Path(tmp_path).iterdir())
+
+
+@pytest.mark.parametrize("flags, message", [
+    ("--profile", "--profile without --use-pytorch-profiler starts CUDA's profiler (nsys), which needs CUDA"),
+    ("--profile --use-pytorch-profiler --profile-step-start 5 --profile-step-end 5",
+     "need 0 <= --profile-step-start 5 < --profile-step-end 5"),
+    ("--profile --use-pytorch-profiler --profile-ranks 0 1", "--profile-ranks [1] outside the 1 ranks"),
+    ("--record-memory-history", "--record-memory-history records the CUDA allocator: needs CUDA"),
+])
+def test_bad_profile_flags_are_refused_before_any_work(flags, message):
+    with pytest.raises(ArgsError) as err:
+        tiny_args(flags)
+    assert message in str(err.value)
