@@ -47,7 +47,7 @@ GPU_TESTS = ["tests/unit_tests/attention/test_kernels.py", "tests/unit_tests/att
              "tests/unit_tests/attention/test_gpu_contract.py", "tests/unit_tests/attention/test_loopback.py",
              "tests/unit_tests/memo", "tests/unit_tests/training/test_gpu_paths.py",
              "tests/unit_tests/test_random.py", "tests/unit_tests/pipeline/test_p2p.py",
-             "tests/unit_tests/test_chunked_loss.py"]
+             "tests/unit_tests/test_chunked_loss.py", "tests/unit_tests/training/test_profiling.py"]
 
 # pretrain_gpt.py's runs of the smoke part: a small Llama-shaped GPT on mock data (its samples
 # hold several documents: --reset-attention-mask has something to do)

@@ -66,3 +66,17 @@ def test_bad_profile_flags_are_refused_before_any_work(flags, message):
     with pytest.raises(ArgsError) as err:
         tiny_args(flags)
     assert message in str(err.value)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_table_ranks_ops_by_device_time(tmp_path, capsys):
+    init_single_rank_world()
+    args = tiny_args(f"--profile --use-pytorch-profiler --profile-step-start 0 --profile-step-end 1 "
+                     f"--tensorboard-dir {tmp_path}")
+    a = torch.randn(2048, 2048, device="cuda")
+    with StepProfiler(args, torch.device("cuda")) as profiler:
+        _steps(profiler, 1, 2, lambda it: (a @ a).sum().item())
+    out = capsys.readouterr().out
+    # self device time sits on the kernels (the GEMM's own name), not on the aten ops launching them
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and "---" not in line]
+    assert "(ops by device time)" in out and len(rows) > 2 and float(rows[1][1]) > 0, out
