@@ -159,8 +159,9 @@ def run(args, seq: int, runs: Runs):
 
 
 def shown(cmd) -> str:
-    """The command of a table row: the script and its flags, paths relative to the repository."""
-    return " ".join(shlex.quote(c) for c in cmd[1:]).replace(str(ROOT) + "/", "")
+    """The command of a table row: environment settings, the script and its flags, paths relative
+    to the repository (the `env` launcher and the interpreter left out)."""
+    return " ".join(shlex.quote(c) for c in cmd if c not in ("env", sys.executable)).replace(str(ROOT) + "/", "")
 
 
 def device_name() -> str:

@@ -56,7 +56,9 @@ def command(args, mode: str, seq: int):
              f"--timing-log-level 1 --cross-entropy-chunk-tokens {args.loss_chunk} {MODES[mode]}").split()
     if args.bf16:
         flags.append("--bf16")
-    return [sys.executable, str(ROOT / "pretrain_gpt.py")] + flags + args.extra
+    # torch's caching allocator mapping its blocks into growable segments: its own answer to fragmentation
+    env = ["env", "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"] if args.expandable_segments else []
+    return env + [sys.executable, str(ROOT / "pretrain_gpt.py")] + flags + args.extra
 
 
 def run(args, mode: str, seq: int, runs: Runs):
@@ -85,6 +87,9 @@ def main(argv=None):
     p.add_argument("--loss-chunk", type=int, default=8192,
                    help="--cross-entropy-chunk-tokens of every run: the logits of this many tokens at a time "
                         "(0: whole, as the rows measured before it existed)")
+    p.add_argument("--expandable-segments", action="store_true",
+                   help="every run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the caching allocator's "
+                        "growable segments: the baseline for the planned allocator's fragmentation)")
     p.add_argument("--iters", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     add_run_limits(p)
@@ -92,7 +97,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     runs = Runs(args, "memo")
     print(f"device: {device_name()} | date: {datetime.date.today()} | {args.num_layers} layers of {args.shape} shape | "
-          f"{'bf16' if args.bf16 else 'fp32'}")
+          f"{'bf16' if args.bf16 else 'fp32'}{' | expandable segments' if args.expandable_segments else ''}")
     print("| mode | seq | MFU | TFLOP/s/GPU | ms/iter | max reserved - max allocated (MB) | alloc retries | command |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     longest = {}

@@ -19,6 +19,10 @@ Parts, with their seconds on one H100 (estimates where marked ~):
   memo-none, memo-full, memo, memo-planned
              7B-shaped layers: the longest sequence and its MFU with no / full recomputation, MEMO
              with torch's caching allocator and with the planned one, and fragmentation [~540 each]
+  memo-expandable
+             full recomputation and MEMO at 64K and 128K with the caching allocator's expandable
+             segments (PYTORCH_CUDA_ALLOC_CONF), the fragmentation baseline the planned allocator
+             has to beat [~480]
 A device command has 10 minutes: give each call the parts that fit and --budget (no command starts
 after it, a running one is stopped there). Writes OUT/suite.md (every table, each part with its
 device, date and commands), OUT/suite.json (each part's status, seconds and commands) and
@@ -128,6 +132,15 @@ def _gpt(cuda: bool):
                            "--warmup", "1", "--no-bf16", "--profile", "--", "--num-workers", "0"), 300)]
 
 
+def _expandable(cuda: bool):
+    """Full recomputation and MEMO at 64K and 128K on the caching allocator's expandable segments."""
+    if not cuda:
+        return None
+    return [("expandable", tool("benchmark_memo.py", "--expandable-segments", "--modes", "full", "memo",
+                                "--seq-lengths", "65536", "131072", "--iters", "4", "--warmup", "2", "--timeout", "170",
+                                "--log-dir", "/tmp/gpu_suite_memo"), 600)]
+
+
 def _memo(mode: str, cuda: bool):
     """One MEMO benchmark mode (one device command each: a mode's lengths take up to ~540 s)."""
     if cuda:
@@ -142,7 +155,8 @@ def _memo(mode: str, cuda: bool):
 
 PARTS = {"tests": _tests, "attention": _attention, "bandwidth": _bandwidth, "smoke": _smoke, "gpt": _gpt,
          "memo-none": functools.partial(_memo, "none"), "memo-full": functools.partial(_memo, "full"),
-         "memo": functools.partial(_memo, "memo"), "memo-planned": functools.partial(_memo, "memo-planned")}
+         "memo": functools.partial(_memo, "memo"), "memo-planned": functools.partial(_memo, "memo-planned"),
+         "memo-expandable": _expandable}
 
 
 def table_lines(text: str) -> list:

@@ -106,6 +106,17 @@ def test_the_profiled_iterations_are_left_out_of_the_gpt_means(monkeypatch, caps
     assert out.rstrip().endswith("\n".join(profile)), out
 
 
+def test_expandable_segments_reach_the_run_and_its_row():
+    """--expandable-segments: each pretrain_gpt.py run starts with the allocator setting in its
+    environment, and the table's command shows it (the launcher and interpreter left out)."""
+    args = SimpleNamespace(shape="tiny", num_layers=2, iters=3, loss_chunk=0, bf16=False, extra=[],
+                           expandable_segments=True)
+    cmd = benchmark_memo.command(args, "full", 128)
+    assert benchmark_gpt.shown(cmd).startswith("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True pretrain_gpt.py ")
+    probe = cmd[:2] + [sys.executable, "-c", "import os; print(os.environ['PYTORCH_CUDA_ALLOC_CONF'])"]
+    assert benchmark_gpt.run_pretrain(probe, 60) == (0, "expandable_segments:True\n")
+
+
 class _QSized(TorchDispatchMode):
     """The operators that make a tensor at least as large as q, views left out."""
     VIEWS = {"permute", "view", "alias", "detach", "expand", "as_strided", "_unsafe_view", "t", "transpose"}
