@@ -124,12 +124,13 @@ def sum_sequence_parallel_grads(params, tp_group) -> None:
 
 
 def build_pipeline(args, pgs) -> Pipeline:
-    # per-rank tokens of each segment: the context-parallel share, and the tp shard under SP
-    div = pgs.size("cp") * (args.tensor_model_parallel_size if args.sequence_parallel else 1)
+    # a rank's tokens of each segment of a micro-batch: the context-parallel share; under sequence
+    # parallelism the activations between stages hold a tp shard of them
+    cp, sp = pgs.size("cp"), args.tensor_model_parallel_size if args.sequence_parallel else 1
     pipeline = Pipeline(size=pgs.size("pp"), rank=pgs.index("pp"), chunks=args.virtual_pipeline_chunks,
-                        segment_tokens=[n // div for n in args.segment_lengths], hidden=args.hidden_size,
+                        segment_tokens=[n // cp for n in args.segment_lengths], hidden=args.hidden_size,
                         links=pgs.links, members=pgs.members["pp"], group=args.pipeline_group_units,
-                        measure_activations=args.timing_log_level >= 1, token_divisor=div)
+                        measure_activations=args.timing_log_level >= 1, token_divisor=cp, sequence_parallel=sp)
     connect_links(pgs.links, dist.get_rank(), device_of(args))
     return pipeline
 

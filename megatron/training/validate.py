@@ -139,9 +139,7 @@ def _parallel_args(args, world_size):
     cuda = args.device_type == "cuda"
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # as Megatron: nothing to split with one tp rank
-    _require(not args.sequence_parallel or cuda,
-             "--sequence-parallel needs CUDA: megatron-core 0.16's sequence-parallel collectives "
-             "allocate their buffers on the GPU")
+    sequence_parallel_device(args)
     _require(args.transformer_impl == "local" or cuda,
              "--transformer-impl transformer_engine needs CUDA and Transformer Engine; use local on CPU")
     _require(args.transformer_impl == "local" or importlib.util.find_spec("transformer_engine"),
@@ -149,6 +147,13 @@ def _parallel_args(args, world_size):
              "(pip install 'transformer-engine[pytorch]'), or use --transformer-impl local")
     _require(args.cross_entropy_fusion_impl == "native" or importlib.util.find_spec("transformer_engine"),
              "--cross-entropy-fusion-impl te needs Transformer Engine (use native)")
+
+
+def sequence_parallel_device(args) -> None:
+    """A separate check, so that tests can run sequence parallelism on host ranks (model_utils)."""
+    _require(not args.sequence_parallel or args.device_type == "cuda",
+             "--sequence-parallel needs CUDA: megatron-core 0.16's sequence-parallel collectives "
+             "allocate their buffers on the GPU")
 
 
 def _cp_split(args, cp):
@@ -171,7 +176,7 @@ def _cp_split(args, cp):
 
 
 def _context_parallel_args(args, cp, tp):
-    hp, ring = args.head_parallel_size, args.ring_size
+    hp = args.head_parallel_size
     _require(args.seq_length % (2 * cp) == 0,
              f"--seq-length {args.seq_length} is not divisible by 2 x --context-parallel-size {cp} = {2 * cp}")
     heads, groups = args.num_attention_heads // tp, args.num_query_groups // tp

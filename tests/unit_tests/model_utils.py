@@ -15,6 +15,18 @@ TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32
         "--hidden-dropout 0 --attention-dropout 0 --distributed-backend gloo")
 
 
+def sequence_parallel_on_host() -> None:
+    """--sequence-parallel on CPU ranks, for exactness tests: megatron-core 0.16 places the
+    sequence-parallel all-gather and reduce-scatter buffers at torch.cuda.current_device(); pointed
+    at host memory, the same collectives run over gloo (which has both). Validation, which refuses
+    the flag on CPU (it saves nothing there), lets it through. For this process only: call it in
+    a rank process."""
+    from megatron.training import validate
+
+    torch.cuda.current_device = lambda: "cpu"
+    validate.sequence_parallel_device = lambda args: None
+
+
 def tiny_args(extra: str = "", world_size: int = 1):
     args = validate_args(parse_args((TINY + " " + extra).split()), world_size)
     args.padded_vocab_size = padded_vocab_size(args.vocab_size + 1, args.make_vocab_size_divisible_by,

@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 from tests.unit_tests.dist_utils import grid_groups, init_single_rank_world, run_ranks
-from tests.unit_tests.model_utils import lm_loss, tiny_args, tiny_gpt
+from tests.unit_tests.model_utils import lm_loss, sequence_parallel_on_host, tiny_args, tiny_gpt
 
 CASES = {
     "mha-learned": "",
@@ -31,8 +31,12 @@ def loss_and_grads(model, args):
     return loss.item(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def _tp_rank_check(extra, ref_path):
+def _tp_rank_check(extra, ref_path, sequence_parallel=False):
+    if sequence_parallel:
+        sequence_parallel_on_host()
+        extra += " --sequence-parallel"
     args = tiny_args(extra + " --tensor-model-parallel-size 2", world_size=2)
+    assert args.sequence_parallel == sequence_parallel
     pgs = grid_groups(tp=2)
     ref = torch.load(ref_path)
     loss, grads = loss_and_grads(tiny_gpt(args, pgs), args)
@@ -40,6 +44,7 @@ def _tp_rank_check(extra, ref_path):
     # the loss agrees to a few ulps of 7.0 (~5e-7) and gradients (O(1e-3..1)) to ~1e-6 relative.
     assert abs(loss - ref["loss"]) < 5e-6
     model = tiny_gpt(args, pgs)  # parameter metadata (partition dims)
+    assert model.output_layer.sequence_parallel == sequence_parallel
     for name, param in model.named_parameters():
         grad = grads[name]
         if getattr(param, "sequence_parallel", False):  # what finalize_model_grads does
@@ -61,6 +66,18 @@ def test_tensor_parallel_2_equals_one_rank(case, tmp_path):
     loss, grads = loss_and_grads(tiny_gpt(args, grid_groups()), args)
     torch.save({"loss": loss, "grads": grads}, tmp_path / "ref.pt")
     run_ranks(_tp_rank_check, 2, CASES[case], str(tmp_path / "ref.pt"))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_sequence_parallel_tp2_equals_one_rank(case, tmp_path):
+    """Each tp rank holds s/2 tokens between the layers' tensor-parallel regions; the norms' weight
+    gradients are partial sums over tp (tagged, summed as finalize_model_grads does); the loss a
+    chunk at a time gathers the hidden states first. Same bounds as without sequence parallelism."""
+    init_single_rank_world()
+    args = tiny_args(CASES[case])
+    loss, grads = loss_and_grads(tiny_gpt(args, grid_groups()), args)
+    torch.save({"loss": loss, "grads": grads}, tmp_path / "ref.pt")
+    run_ranks(_tp_rank_check, 2, CASES[case], str(tmp_path / "ref.pt"), True)
 
 
 @pytest.mark.parametrize("recompute", [

@@ -36,8 +36,8 @@ class Pipeline:
     size: int  # P
     rank: int  # stage index
     chunks: int  # v
-    segment_tokens: List[int]  # this rank's tokens of each segment (after cp / sp division)
-    hidden: int  # activation width (per tp rank's sequence shard: [s, b, hidden])
+    segment_tokens: List[int]  # this rank's tokens of each segment of a micro-batch (its cp share)
+    hidden: int  # activation width ([tokens, b, hidden] between stages)
     links: Dict[tuple, object]
     members: List[int]  # global ranks of the pipeline group, by stage
     group: Optional[int] = None  # interleaved: units per chunk group (default: the pipeline size)
@@ -46,9 +46,12 @@ class Pipeline:
     # torch.compile guards on it), only when the log reports them (--timing-log-level >= 1).
     measure_activations: bool = False
     stats: dict = field(default_factory=dict)
-    # whole-sequence tokens per rank token (cp x tp under SP): a micro-batch whose packed documents
-    # chose its own segments (SEGMENT_LENGTHS) is cut by them
+    # whole-sequence tokens per rank token of a micro-batch (cp): a micro-batch whose packed
+    # documents chose its own segments (SEGMENT_LENGTHS) is cut by them
     token_divisor: int = 1
+    # sequence parallelism: tp ranks split a segment's tokens between the layers, so what one stage
+    # sends the next is [segment tokens / tp, b, hidden] (the micro-batch itself is whole on each)
+    sequence_parallel: int = 1
     # told when a unit's forward ends and before its backward waits for its gradient (MEMO's
     # runtime: forward_done(unit), backward_begins(unit) with unit = (chunk, micro-batch, segment))
     unit_hooks: Optional[object] = None
@@ -156,10 +159,11 @@ class _Runner:
         return _stage_ops(self.p, self.m, self.k, self.v, self.pipe.group, self.forward_only)
 
     def _shape(self, key):
-        """[segment tokens, micro-batch, hidden]: activations and their gradients alike."""
+        """[segment tokens (/ tp under sequence parallelism), micro-batch, hidden]: activations and
+        their gradients alike."""
         _, m, s = key
         self._read_through(m)  # a receive posted ahead may come before the micro-batch's forward
-        return (self.tokens[m][s], self.mbs, self.pipe.hidden)
+        return (self.tokens[m][s] // self.pipe.sequence_parallel, self.mbs, self.pipe.hidden)
 
     # ---- data -----------------------------------------------------------------------------------
     def _read_through(self, m: int) -> None:

@@ -12,13 +12,14 @@ import torch
 import torch.distributed as dist
 
 from megatron.longseq.pipeline.seq1f1b import forward_backward_seq1f1b
+from megatron.longseq.random import seed_everything
 from megatron.training.data import random_batches
 from megatron.training.init import global_name
 from megatron.training.memo_setup import wrap_model
 from megatron.training.model import build_model_chunks, unwrap
 from megatron.training.training import setup
 from tests.unit_tests.dist_utils import grid_groups, init_single_rank_world, run_groups, run_ranks
-from tests.unit_tests.model_utils import tiny_args
+from tests.unit_tests.model_utils import sequence_parallel_on_host, tiny_args
 
 MODEL = ("--num-layers 8 --group-query-attention --num-query-groups 2 --position-embedding-type rope "
          "--swiglu --normalization RMSNorm --disable-bias-linear --global-batch-size 4")
@@ -81,8 +82,14 @@ def gather_tp(grad, param, pgs):
 
 def _check(extra, ref_path):
     world = dist.get_world_size()
+    if "--sequence-parallel" in extra:
+        sequence_parallel_on_host()
     args = tiny_args(f"{MODEL} {extra}", world_size=world)
-    loss, grads, _ = one_iteration(args, run_groups(args))
+    pgs = run_groups(args)
+    # the trainer's seeding: under sequence parallelism the embedding's dropout (p = 0 here) draws
+    # from the tensor-parallel stream, which must exist
+    seed_everything(args.seed, pgs.index("tp"), torch.device("cpu"))
+    loss, grads, _ = one_iteration(args, pgs)
     ref = torch.load(ref_path)
     if loss is not None:
         # fp32: segments and stages sum the same terms in another order; 7.0 +- a few ulps
@@ -157,6 +164,19 @@ CASES = {
 }
 
 
+# Sequence parallelism (tp 2): each rank's activations between the tensor-parallel regions hold
+# s/2 tokens -- also Seq1F1B's segments sent between stages, and the context-parallel shares.
+SEQUENCE_PARALLEL = [
+    "--tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer --overlap-grad-reduce "
+    "--ddp-bucket-size 40000 --micro-batch-size 1",
+    "--pipeline-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel --pipe-sp-splits 2 "
+    "--pipe-sp-strategy uniform_comp --cross-entropy-chunk-tokens 20",
+    "--tensor-model-parallel-size 2 --context-parallel-size 2 --sequence-parallel --cp-comm-type a2a",
+    "--pipeline-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel "
+    "--num-layers-per-virtual-pipeline-stage 2 --pipe-sp-splits 2 --recompute-granularity selective",
+]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     path = tmp_path_factory.mktemp("pipe") / "ref.pt"
@@ -167,6 +187,10 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_pipeline_layouts_equal_one_stage(world, reference):
     run_ranks(_run_all, world, CASES[world], reference)
+
+
+def test_sequence_parallel_layouts_equal_one_stage(reference):
+    run_ranks(_run_all, 4, SEQUENCE_PARALLEL, reference)
 
 
 def _memory_follows_the_schedule(p):
