@@ -165,13 +165,15 @@ CASES = {
 
 
 # Sequence parallelism (tp 2): each rank's activations between the tensor-parallel regions hold
-# s/2 tokens -- also Seq1F1B's segments sent between stages, and the context-parallel shares.
+# s/2 tokens -- also Seq1F1B's segments sent between stages, and the context-parallel shares (ring
+# and Ulysses).
 SEQUENCE_PARALLEL = [
     "--tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer --overlap-grad-reduce "
     "--ddp-bucket-size 40000 --micro-batch-size 1",
     "--pipeline-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel --pipe-sp-splits 2 "
     "--pipe-sp-strategy uniform_comp --cross-entropy-chunk-tokens 20",
     "--tensor-model-parallel-size 2 --context-parallel-size 2 --sequence-parallel --cp-comm-type a2a",
+    "--tensor-model-parallel-size 2 --context-parallel-size 2 --sequence-parallel --pipe-sp-splits 2",
     "--pipeline-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel "
     "--num-layers-per-virtual-pipeline-stage 2 --pipe-sp-splits 2 --recompute-granularity selective",
 ]
