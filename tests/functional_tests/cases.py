@@ -93,6 +93,11 @@ CASES = [
         "--pipeline-model-parallel-size 2 --tensor-model-parallel-size 2 --pipe-sp-splits 2").split(), "gpt_llama"),
     Case("gpt_llama_pp2_cp2_seq1f1b_k2", 4, LLAMA + (
         "--pipeline-model-parallel-size 2 --context-parallel-size 2 --pipe-sp-splits 2").split(), "gpt_llama"),
+    # Sequence parallelism (a GPU flag; its CPU run points megatron-core's buffers at host memory,
+    # sequence_parallel_on_host.py) through a Seq1F1B pipeline.
+    Case("gpt_llama_tp2_pp2_seq1f1b_k2_sequence_parallel", 4, LLAMA + (
+        "--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2 "
+        "--pipe-sp-splits 2").split(), "gpt_llama"),
     # The output layer and the loss 100 tokens at a time (of 256 per micro-batch), vocabulary-parallel
     # on the last pipeline stage.
     Case("gpt_llama_tp2_pp2_cross_entropy_chunks", 4, LLAMA + (

@@ -61,8 +61,11 @@ def command(case: Case, extra: List[str], data_prefix: Optional[str]) -> List[st
         i = flags.index("--mock-data")
         flags[i : i + 1] = ["--data-path", data_prefix, "--split", "100,0,0"]
     port = str(free_port())
+    script = ROOT / "pretrain_gpt.py"
+    if "--sequence-parallel" in flags:  # a GPU-only flag, run on CPU ranks by its launcher
+        script = ROOT / "tests" / "functional_tests" / "sequence_parallel_on_host.py"
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(case.nproc),
-            "--master-port", port, str(ROOT / "pretrain_gpt.py")] + flags
+            "--master-port", port, str(script)] + flags
 
 
 class Curve(dict):
