@@ -174,6 +174,8 @@ SEQUENCE_PARALLEL = [
     "--pipe-sp-strategy uniform_comp --cross-entropy-chunk-tokens 20",
     "--tensor-model-parallel-size 2 --context-parallel-size 2 --sequence-parallel --cp-comm-type a2a",
     "--tensor-model-parallel-size 2 --context-parallel-size 2 --sequence-parallel --pipe-sp-splits 2",
+    "--tensor-model-parallel-size 2 --sequence-parallel --recompute-granularity full --recompute-method block "
+    "--recompute-num-layers 4 --micro-batch-size 1",
     "--pipeline-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel "
     "--num-layers-per-virtual-pipeline-stage 2 --pipe-sp-splits 2 --recompute-granularity selective",
 ]
