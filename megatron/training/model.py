@@ -174,6 +174,24 @@ def chunk_layers(config, stage: int, chunk: int) -> int:
                                    pp_rank=stage)
 
 
+def logits_line(args, cp: int) -> str:
+    """What one step's logits take on a last-stage rank: a micro-batch's (or Seq1F1B segment's)
+    tokens of this rank x its vocabulary slice, in the model's dtype and again in fp32 for the loss;
+    with --cross-entropy-chunk-tokens, one chunk's. At long sequences the whole logits are the
+    largest tensors of a step, and the log says so before any memory is spent."""
+    tokens = args.micro_batch_size * max(args.segment_lengths) // cp
+    vocab = args.padded_vocab_size // args.tensor_model_parallel_size
+    per_token = vocab * (params_dtype(args).itemsize + 4) / 2**30  # GiB
+    chunk = args.cross_entropy_chunk_tokens
+    if chunk:
+        held = min(chunk, tokens)
+        return f"> logits: {held} of {tokens} tokens at a time x {vocab} vocabulary: {held * per_token:.2f} GiB"
+    line = f"> logits: {tokens} tokens x {vocab} vocabulary: {tokens * per_token:.2f} GiB"
+    if tokens * per_token > 1.0:
+        line += f" (--cross-entropy-chunk-tokens 8192 would hold {min(8192, tokens) * per_token:.2f} GiB)"
+    return line
+
+
 def build_gpt_model(args, pgs, device: torch.device):
     """The whole model on one pipeline stage (no pipelining)."""
     chunks = build_model_chunks(args, pgs, device)

@@ -33,7 +33,7 @@ from megatron.training.initialize import device_of, initialize_distributed
 from megatron.training.metrics import TensorboardLogger, memory_line, print_rank_0, print_rank_last, reset_memory_peaks
 from megatron.training.memo_setup import setup_memo
 from megatron.training.loss_scaler import loss_scaler
-from megatron.training.model import fusions, params_dtype, unwrap
+from megatron.training.model import fusions, logits_line, params_dtype, unwrap
 from megatron.training.optimizer import DistributedAdam
 from megatron.training.profiling import StepProfiler
 from megatron.training.reporting import Reporter
@@ -464,6 +464,7 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     print_rank_0(f"> {pgs.grid.describe()}")
     print_rank_0(f"> padded vocab (size: {args.true_vocab_size}) with {args.padded_vocab_size - args.true_vocab_size} "
                  f"dummy tokens (new size: {args.padded_vocab_size})")
+    print_rank_0(logits_line(args, pgs.size("cp")))
     if args.load:
         check_load(args, pgs)
     _print_args(args)

@@ -188,3 +188,20 @@ def test_on_cuda_bf16_chunks_follow_the_whole_logits_in_a_fraction_of_the_memory
         torch.testing.assert_close(a.float(), b.float(), atol=1e-6, rtol=2 ** -7)
     # whole: bf16 and fp32 logits and their gradient, n*v*(2+4+4+2) bytes; chunked: one chunk's
     assert ref_bytes > 8 * n * v and got_bytes < 4 * n * v, (ref_bytes, got_bytes)
+
+
+def test_the_start_up_line_says_what_the_logits_take():
+    """128K tokens and a 32000 vocabulary in bf16: 131072 x 32000 x (2 + 4) bytes = 23.44 GiB whole,
+    the chunk's share with chunks; Seq1F1B's longest segment and cp divide the tokens."""
+    from types import SimpleNamespace
+
+    from megatron.training.model import logits_line
+
+    args = SimpleNamespace(micro_batch_size=1, segment_lengths=[131072], padded_vocab_size=32000,
+                           tensor_model_parallel_size=1, bf16=True, fp16=False, cross_entropy_chunk_tokens=0)
+    assert logits_line(args, 1) == ("> logits: 131072 tokens x 32000 vocabulary: 23.44 GiB "
+                                    "(--cross-entropy-chunk-tokens 8192 would hold 1.46 GiB)")
+    args.cross_entropy_chunk_tokens = 8192
+    assert logits_line(args, 1) == "> logits: 8192 of 131072 tokens at a time x 32000 vocabulary: 1.46 GiB"
+    args.cross_entropy_chunk_tokens, args.segment_lengths, args.tensor_model_parallel_size = 0, [512, 256], 2
+    assert logits_line(args, 2) == "> logits: 256 tokens x 16000 vocabulary: 0.02 GiB"
