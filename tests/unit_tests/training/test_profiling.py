@@ -48,9 +48,11 @@ def test_a_run_that_ends_inside_the_window_still_reports(tmp_path, capsys):
 
 
 def test_a_rank_outside_profile_ranks_profiles_nothing(tmp_path, capsys):
-    profiler = _profiler(tmp_path, "--profile-step-start 0 --profile-step-end 1")
-    profiler.on = False  # as on a rank not in --profile-ranks
-    with profiler:
+    init_single_rank_world()
+    args = tiny_args(f"--profile --use-pytorch-profiler --tensorboard-dir {tmp_path} --profile-step-start 0 "
+                     f"--profile-step-end 1")
+    args.profile_ranks = [1]  # as this rank (0) would see on a run of two ranks with --profile-ranks 1
+    with StepProfiler(args, torch.device("cpu")) as profiler:
         _steps(profiler, 1, 2, _named_op)
     assert "profile of" not in capsys.readouterr().out and not list(Path(tmp_path).iterdir())
 
