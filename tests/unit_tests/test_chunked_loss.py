@@ -75,7 +75,7 @@ def _model_step(extra, dtype_flag=""):
     tokens, labels, positions = tiny_batch(args)
     loss = model(tokens, positions, None, labels=labels)
     loss.float().mean().backward()
-    return loss.detach(), {n: (p.main_grad if hasattr(p, "main_grad") else p.grad) for n, p in model.named_parameters()}
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("tie", ["", "--untie-embeddings-and-output-weights"])

@@ -10,9 +10,11 @@ from tests.unit_tests.dist_utils import init_single_rank_world
 from tests.unit_tests.model_utils import tiny_args
 
 
-def _profiler(tmp_path, extra=""):
+def _profiler(tmp_path, extra="", ranks=None):
+    """`ranks`: --profile-ranks as a rank of a larger run would see them (validation here knows one rank)."""
     init_single_rank_world()
     args = tiny_args(f"--profile --use-pytorch-profiler --tensorboard-dir {tmp_path} {extra}")
+    args.profile_ranks = ranks or args.profile_ranks
     return StepProfiler(args, torch.device("cpu"))
 
 
@@ -48,11 +50,8 @@ def test_a_run_that_ends_inside_the_window_still_reports(tmp_path, capsys):
 
 
 def test_a_rank_outside_profile_ranks_profiles_nothing(tmp_path, capsys):
-    init_single_rank_world()
-    args = tiny_args(f"--profile --use-pytorch-profiler --tensorboard-dir {tmp_path} --profile-step-start 0 "
-                     f"--profile-step-end 1")
-    args.profile_ranks = [1]  # as this rank (0) would see on a run of two ranks with --profile-ranks 1
-    with StepProfiler(args, torch.device("cpu")) as profiler:
+    # this rank (0) in a run of two with --profile-ranks 1
+    with _profiler(tmp_path, "--profile-step-start 0 --profile-step-end 1", ranks=[1]) as profiler:
         _steps(profiler, 1, 2, _named_op)
     assert "profile of" not in capsys.readouterr().out and not list(Path(tmp_path).iterdir())
 
