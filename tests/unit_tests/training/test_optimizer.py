@@ -123,6 +123,40 @@ def test_two_distributed_optimizer_instances_match_full_batch_adamw(avg):
     run_ranks(_check_against_reference, 4, True, True, 50, True, avg, 2)
 
 
+def _nccl_on_gloo():
+    """NCCL's branches of the buffer on gloo: the backend reads as nccl (in-place gathers, the
+    reductions' ReduceOp.AVG), and AVG, which gloo lacks, is its sum divided by the group size once
+    the work is waited for, when NCCL's result would be there."""
+    dist.get_backend = lambda group=None: "nccl"
+
+    def averaging(real):
+        def collective(out, *args, op=dist.ReduceOp.SUM, group=None, async_op=False, **kwargs):
+            work = real(out, *args, op=dist.ReduceOp.SUM, group=group, async_op=True, **kwargs)
+            divisor = dist.get_world_size(group) if op == dist.ReduceOp.AVG else 1
+            done = SimpleNamespace(wait=lambda: (work.wait(), out.div_(divisor)))
+            if async_op:
+                return done
+            done.wait()
+        return collective
+
+    dist.reduce_scatter_tensor = averaging(dist.reduce_scatter_tensor)
+    dist.all_reduce = averaging(dist.all_reduce)
+
+
+def _nccl_branches_against_reference(instances):
+    _nccl_on_gloo()
+    _, _, buffer, _ = _build(True, True, 50, gather=True, avg=True, instances=instances)
+    assert buffer.avg_op and buffer.gather_in_place
+    _check_against_reference(True, True, 50, gather=True, avg=True, instances=instances)
+
+
+@pytest.mark.parametrize("world, instances", [(2, 1), (4, 2)])
+def test_nccl_average_in_collective_and_in_place_gathers_match_full_batch_adamw(world, instances):
+    """The buffer's NCCL-only branches, which gloo never takes: ReduceOp.AVG in the reduce-scatter
+    and in the all-reduce across instances, and the parameters gathered in place."""
+    run_ranks(_nccl_branches_against_reference, world, instances)
+
+
 class _Issued:
     """Notes each collective and each wait for one, in order: (kind, its group's ranks, its tensor's address)
     -- a bucket's reduce-scatter writes the shard its all-reduce across the instances then reads --
