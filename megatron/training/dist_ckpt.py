@@ -100,8 +100,9 @@ class HostStagedTorchDistSave(TorchDistSaveShardedStrategy):
 
     def _get_save_and_finalize_callbacks(self, writer, save_state_dict_ret) -> AsyncRequest:
         save_fn, _, save_args = writer.get_save_function_and_args()
-        return AsyncRequest(save_fn, save_args, [partial(_finish_write, *save_state_dict_ret)],
-                            preload_fn=partial(_stage_on_host, writer))
+        # no save_fn: this rank has nothing to write (and nothing to stage), yet joins the finish
+        stage = partial(_stage_on_host, writer) if save_fn is not None else None
+        return AsyncRequest(save_fn, save_args, [partial(_finish_write, *save_state_dict_ret)], preload_fn=stage)
 
 
 # ---- what is saved ---------------------------------------------------------------------------------

@@ -258,3 +258,33 @@ def test_a_load_asks_only_for_owned_state_in_host_memory_and_takes_what_load_ret
     from tests.unit_tests.dist_utils import run_ranks
 
     run_ranks(_check_load_asks_owned_host_state_and_reads_what_load_returns, 2, str(tmp_path), sharded_optimizer)
+
+
+def _check_a_rank_with_nothing_to_write(tmp_dir):
+    import torch.distributed as dist
+    from megatron.training.training import setup
+    from tests.unit_tests.dist_utils import grid_groups
+    from tests.unit_tests.model_utils import tiny_args, tiny_gpt
+
+    # the first data-parallel replica writes the model; no optimizer state, no RNG: nothing on rank 1
+    flags = "--no-save-optim --no-save-rng --no-ckpt-fully-parallel-save --no-load-optim --no-load-rng --async-save"
+    args = tiny_args(f"--save {tmp_dir} --bf16 {flags}", world_size=2)
+    pgs = grid_groups()
+    state = setup(args, pgs, lambda a, p, d: tiny_gpt(a, p))
+    state.saver = CheckpointSaver(args, pgs, torch.device("cpu"))
+    train_one_step(state, args)
+    path = state.saver.save(state)
+    assert (state.saver.pending[0] is None) == (dist.get_rank() == 1)  # no writer forked on rank 1
+    assert state.saver.finish(blocking=True) == 1 and read_tracker(tmp_dir) == 1
+    fresh = setup(args, pgs, lambda a, p, d: tiny_gpt(a, p))
+    load_checkpoint(args, fresh, pgs, path)
+    for (name, p), q in zip(fresh.model[0].named_parameters(), state.model[0].parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_a_rank_with_nothing_to_write_takes_part_in_the_save(tmp_path):
+    """Without optimizer state and RNG states, and with the first replica writing the model, the
+    second data-parallel rank has nothing to write: it forks no writer and still joins the finish."""
+    from tests.unit_tests.dist_utils import run_ranks
+
+    run_ranks(_check_a_rank_with_nothing_to_write, 2, str(tmp_path))
