@@ -68,7 +68,8 @@ def rank_dir_name(pgs) -> str:
     return f"mp_rank_{tp:02d}" if pgs.size("pp") == 1 else f"mp_rank_{tp:02d}_{pp:03d}"
 
 
-def _fsync_dir(path: str) -> None:
+def _fsync(path: str) -> None:
+    """A file's or a directory's contents to disk (Linux syncs through a read-only descriptor)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -92,7 +93,7 @@ def _atomic_write_text(path: str, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path) or ".")
+    _fsync(os.path.dirname(path) or ".")
 
 
 def model_keys(chunks) -> list:
@@ -145,13 +146,17 @@ def publish(root: str, tmp: str, final: str, iteration: int) -> None:
 
 
 def publish_tree(root: str, tmp: str, final: str, tracker: str) -> None:
-    """Sync the finished tree `tmp`, rename it to `final` and only then write the tracker."""
-    for path, _, _ in os.walk(tmp):
-        _fsync_dir(path)
+    """Sync the finished tree `tmp`, rename it to `final` and only then write the tracker. Every
+    file is synced here, whoever wrote it: megatron-core leaves torch_dist's common.pt and
+    metadata.json unsynced, and a crash of the machine after the rename could leave them empty."""
+    for path, _, files in os.walk(tmp):
+        for name in files:
+            _fsync(os.path.join(path, name))
+        _fsync(path)
     if os.path.exists(final):  # saving the same iteration again: replace it
         shutil.rmtree(final)
     os.rename(tmp, final)
-    _fsync_dir(root)
+    _fsync(root)
     _atomic_write_text(os.path.join(root, TRACKER), tracker)
 
 

@@ -96,6 +96,25 @@ def test_verify_integrity_finds_a_changed_file(tmp_path):
         load_checkpoint(args, fresh, pgs, path)
 
 
+def test_every_file_is_on_disk_before_the_checkpoint_is_published(tmp_path, monkeypatch):
+    """megatron-core writes common.pt and metadata.json without syncing them; a machine crash
+    after the rename must not find them empty: every file and directory of the tree is synced
+    before the rename, and the rename before the tracker is written."""
+    from megatron.training import checkpointing
+
+    events, sync, rename = [], checkpointing._fsync, os.rename
+    monkeypatch.setattr(checkpointing, "_fsync", lambda path: (events.append(("sync", path)), sync(path)))
+    monkeypatch.setattr(os, "rename", lambda a, b: (events.append(("rename", a)), rename(a, b)))
+    args, pgs, state = saver_state(tmp_path, "--verify-integrity")
+    path = state.saver.save(state)
+    tmp = path + ".tmp"
+    renamed = events.index(("rename", tmp))
+    synced = {p for kind, p in events[:renamed] if kind == "sync"}
+    tree = {os.path.join(tmp, os.path.relpath(os.path.join(d, n), path)) for d, _, files in os.walk(path) for n in files}
+    assert tree and tree <= synced and tmp in synced
+    assert read_tracker(str(tmp_path)) == 0
+
+
 def test_async_save_holds_only_host_copies_while_writing(tmp_path, monkeypatch):
     """On a GPU the buckets megatron-core prepares hold device tensors (on CPU it clones views
     itself, so the leak cannot show here): the optimizer's gathered state alone is three fp32
