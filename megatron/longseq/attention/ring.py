@@ -101,7 +101,8 @@ def _piece_inputs(q, kv, p: Piece):
 
 
 def _covers(p: Piece, q) -> bool:
-    return p.sample is None and (p.q0, p.q1) == (0, q.shape[2])
+    """Whether the piece's rows are all of q's: of every sample, or of the only one."""
+    return (p.sample is None or q.shape[0] == 1) and (p.q0, p.q1) == (0, q.shape[2])
 
 
 def _first_block(q, kv, pieces, kernel: AttentionKernel, scale):

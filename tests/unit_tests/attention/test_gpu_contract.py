@@ -11,7 +11,7 @@ from megatron.longseq.attention import comm
 from megatron.longseq.attention.context_parallel import ContextParallel
 from megatron.longseq.attention.core import LongSeqCoreAttention
 from megatron.longseq.attention.kernels import KernelContractError, TorchCpuFlashKernel, _bshd, check_contract
-from megatron.longseq.attention.placement import ring_chunks
+from megatron.longseq.attention.placement import DocumentLayout, ring_chunks
 from megatron.longseq.attention.ring import ring_attention
 from tests.unit_tests.alloc_count import CreatedTensors
 from tests.unit_tests.attention.contract_kernel import ContractKernel
@@ -188,11 +188,36 @@ def _ulysses_copies_nothing_more_at_micro_batch_one():
             assert len(counter.at_least(k.numel())) == 8, (kernel_type.__name__, counter.created)
 
 
+def _ring_of_one_document_as_plain_causal():
+    """A micro-batch of one sample that is one document (common in long-context training with
+    --reset-attention-mask) takes the plain ring's path: each block's one piece covers the kernel's
+    rows, so no out-sized accumulator or lse copy is made beside the kernels' own outputs."""
+    cp = ContextParallel.from_process_groups(grid_groups(cp=2))
+    cp.ring.connect(torch.device("cpu"))
+    one_document = torch.zeros(1, 2 * S, dtype=torch.bool)
+    one_document[0, 0] = True
+    made, outs = [], []
+    for documents in (None, DocumentLayout(one_document, 2)):
+        q, k, v = (x[:1].detach().requires_grad_() for x in _ring_inputs())
+        counter = CreatedTensors()
+        kernel = ContractKernel(counter)
+        with counter:
+            out, _ = ring_attention(q, k, v, cp.ring, kernel, 0.35, 1, documents=documents)
+            out.backward(torch.ones_like(out))
+        made.append(len(counter.at_least(k.numel())))
+        outs.append((out, q.grad, k.grad, v.grad))
+    assert made[0] == made[1], made
+    for plain, packed in zip(*outs):
+        torch.testing.assert_close(packed, plain, atol=0, rtol=0)  # the same kernel calls
+
+
 def _two_rank_cases():
     _ulysses_copies_nothing_more_at_micro_batch_one()
+    _ring_of_one_document_as_plain_causal()
 
 
-def test_ulysses_layers_copy_nothing_more_whatever_the_kernels_output_layout():
+def test_ulysses_and_one_document_rings_copy_nothing_more():
+    """Ulysses layers whatever the kernels' output layout; a ring over a sample that is one document."""
     run_ranks(_two_rank_cases, 2)
 
 
