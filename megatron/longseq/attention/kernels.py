@@ -287,7 +287,8 @@ class TorchCudnnKernel(AttentionKernel):
     (pytorch#196678; torch's dispatcher routes such calls elsewhere, but we call the op directly):
     those blocks go to torch's flash kernel, which is exact for them, as do blocks of one key, which
     torch's dispatcher never gives cuDNN (check_cudnn_tensor_shapes: "does not support key/value
-    sequence length 1").
+    sequence length 1"), and blocks of one query (a packed document's last token against a later
+    ring chunk), which torch's decode check refuses for some cuDNN versions on sm100.
 
     torch builds a cuDNN graph for every new shape (tens to hundreds of ms each) and keeps it.
     Per-micro-batch segments and packed blocks of a single piece make shapes without end (blocks
@@ -305,7 +306,7 @@ class TorchCudnnKernel(AttentionKernel):
 
     def _cudnn_takes(self, q, k, causal, admit: bool) -> bool:
         """Whether this call goes to cuDNN; a forward (admit) may take a new shape while there is room."""
-        if k.shape[2] == 1 or (not causal and k.shape[2] % 128 == 64):
+        if k.shape[2] == 1 or q.shape[2] == 1 or (not causal and k.shape[2] % 128 == 64):
             return False
         shape = (tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), causal)  # what a graph is built for
         if admit and len(self._shapes) < self.MAX_SHAPES:

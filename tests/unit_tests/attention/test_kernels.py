@@ -278,12 +278,13 @@ def test_cudnn_runs_the_backward_of_its_forward_with_seq1f1b_segments_and_no_rin
     assert len(ran) == 3 and {name for name, _ in ran} == {"_scaled_dot_product_cudnn_attention_backward"}
 
 
-def test_a_block_of_one_key_never_goes_to_cudnn(monkeypatch):
+def test_a_block_of_one_key_or_one_query_never_goes_to_cudnn(monkeypatch):
     ran = []
     _record_attention_ops(monkeypatch, ran)
-    q, k = torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 1, 8)
-    TorchCudnnKernel()._forward(q, k, k, False, 1.0)
-    assert ran == [("_scaled_dot_product_flash_attention", 1)]
+    four, one = torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 1, 8)
+    TorchCudnnKernel()._forward(four, one, one, False, 1.0)
+    TorchCudnnKernel()._forward(one, four, four, False, 1.0)
+    assert ran == [("_scaled_dot_product_flash_attention", 1), ("_scaled_dot_product_flash_attention", 4)]
 
 
 def test_cudnn_builds_graphs_for_a_bounded_number_of_shapes(monkeypatch):
