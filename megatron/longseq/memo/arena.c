@@ -163,13 +163,18 @@ static void record(int kind, int64_t a, int64_t b) {
 }
 
 /* ---- backend ------------------------------------------------------------------------------- */
+enum { CU_OUT_OF_MEMORY = 2 };
+static int last_alloc_error = 0; /* the driver's answer to the last failed allocation */
+
 static char *backend_alloc(int64_t size) {
     char *p;
     if (backend_cuda) {
         uint64_t dptr = 0;
-        if (cu_alloc(&dptr, (size_t)size) != 0) return NULL;
+        int rc = cu_alloc(&dptr, (size_t)size);
+        if (rc != 0) { last_alloc_error = rc; return NULL; }
         p = (char *)(uintptr_t)dptr;
     } else {
+        last_alloc_error = CU_OUT_OF_MEMORY;
         if (heap_capacity >= 0 && backend_bytes + size > heap_capacity) return NULL;
         p = malloc((size_t)size);
         if (!p) return NULL;
@@ -482,9 +487,15 @@ void arena_mark(int id) {
 
 /* ---- the pluggable allocator's entry points -------------------------------------------------- */
 static void out_of_memory(ssize_t size) {
-    fprintf(stderr, "MEMO planned allocator: out of device memory for %zd bytes (held %lld, allocated %lld, "
-            "arena %lld); aborting, as torch's pluggable allocator cannot take a failed allocation\n",
-            size, (long long)backend_bytes, (long long)stats[S_ALLOCATED], (long long)arena_bytes);
+    /* any other driver error (an earlier kernel's illegal address, a lost context) is named as
+       such: calling it out of memory would hide the fault behind it */
+    if (last_alloc_error != CU_OUT_OF_MEMORY)
+        fprintf(stderr, "MEMO planned allocator: the driver refused %zd bytes with CUDA error %d, not out of "
+                "memory (a kernel's fault or a lost context); aborting\n", size, last_alloc_error);
+    else
+        fprintf(stderr, "MEMO planned allocator: out of device memory for %zd bytes (held %lld, allocated %lld, "
+                "arena %lld); aborting, as torch's pluggable allocator cannot take a failed allocation\n",
+                size, (long long)backend_bytes, (long long)stats[S_ALLOCATED], (long long)arena_bytes);
     abort();
 }
 

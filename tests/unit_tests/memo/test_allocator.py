@@ -236,7 +236,7 @@ int cuDeviceGet(int *dev, int ordinal) { *dev = ordinal; return 0; }
 int cuDevicePrimaryCtxRetain(void **ctx, int dev) { *ctx = (void *)(intptr_t)(dev + 1); return 0; }
 int cuMemAlloc_v2(uint64_t *p, size_t n) {
     if (!current) return 201;
-    if (held + (int64_t)n > capacity) return 2;
+    if (held + (int64_t)n > capacity) { const char *rc = getenv("FAKE_ALLOC_ERROR"); return rc ? atoi(rc) : 2; }
     held += n; *p = (uint64_t)(uintptr_t)malloc(n); return 0;
 }
 int cuMemFree_v2(uint64_t p) { if (!current) return 201; free((void *)(uintptr_t)p); return 0; }
@@ -262,10 +262,15 @@ print("returned")
 """
 
 
-def test_the_cuda_backend_binds_a_context_and_ends_the_process_when_out_of_memory(tmp_path):
+@pytest.mark.parametrize("error, line", [
+    ("2", "MEMO planned allocator: out of device memory for 2097152 bytes"),
+    ("700", "MEMO planned allocator: the driver refused 2097152 bytes with CUDA error 700, not out of memory")],
+    ids=["out-of-memory", "illegal-address"])
+def test_the_cuda_backend_binds_a_context_and_ends_the_process_when_out_of_memory(tmp_path, error, line):
     """The CUDA backend's driver calls, against a stand-in driver: a thread without a current context
     (autograd's device thread before its first runtime call) still allocates, and a failed
-    allocation ends the process with one line instead of handing torch a NULL tensor."""
+    allocation ends the process with one line instead of handing torch a NULL tensor -- naming the
+    driver's error where it is not out of memory."""
     import os
     import signal
     import subprocess
@@ -276,10 +281,10 @@ def test_the_cuda_backend_binds_a_context_and_ends_the_process_when_out_of_memor
     driver = tmp_path / "libfakecuda.so"
     subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", str(driver), str(source)], check=True)
     proc = subprocess.run([sys.executable, "-c", DRIVER_CHECK], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "MEMO_LIBCUDA": str(driver)})
+                          env={**os.environ, "MEMO_LIBCUDA": str(driver), "FAKE_ALLOC_ERROR": error})
     assert proc.stdout.split() == ["allocated"], proc.stdout + proc.stderr
     assert proc.returncode == -signal.SIGABRT
-    assert "MEMO planned allocator: out of device memory for 2097152 bytes" in proc.stderr
+    assert line in proc.stderr
 
 
 EVENT_CHECK = """
