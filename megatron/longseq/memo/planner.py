@@ -135,7 +135,20 @@ def load_plan_summary(path: str) -> dict:
     blob = json.load(open(path))
     if blob.get("format") != PLAN_FORMAT:
         raise ValueError(f"{path} is not a MEMO memory plan of this version ({PLAN_FORMAT}): plan again")
+    bad = _misplaced(blob["replay"])
+    if bad:
+        raise ValueError(f"{path}: request {bad[0]} is planned at offset {bad[1]} for {bad[2]} bytes, not a "
+                         f"multiple of {dsa.ALIGN} inside the {blob['replay']['arena_bytes']}-byte arena: plan again")
     return blob
+
+
+def _misplaced(replay: dict):
+    """(request, offset, size) of the first planned offset the arena cannot hand out: kernels
+    assume torch's 512-byte alignment, and a plan edited or made elsewhere may not keep it."""
+    for i, (size, offset) in enumerate(zip(replay["sizes"], replay["offsets"])):
+        if offset != -1 and (offset < 0 or offset % dsa.ALIGN or offset + size > replay["arena_bytes"]):
+            return i, offset, size
+    return None
 
 
 def stage_plan_path(path: str, stage: int, stages: int) -> str:

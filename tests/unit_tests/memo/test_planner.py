@@ -1,5 +1,6 @@
 """The DSA planner and the bi-level plan: valid plans, near the bound, the solver fallbacks."""
 import contextlib
+import json
 import random
 
 import pytest
@@ -145,6 +146,29 @@ def test_every_layer_window_is_in_the_trace_on_each_device(device):
     trace = trace_iteration(lambda: net(x).square().sum().backward(), layers, torch.device(device))
     assert set(trace.windows()) == {f"{k} L{i}" for k in ("fwd", "bwd") for i in (1, 2, 3)}
     assert bilevel_plan(trace, "greedy").replay.marks  # the plan places the windows' tensors
+
+
+@pytest.mark.parametrize("offset", [100, -512, 10**12])
+def test_a_saved_plan_with_an_offset_the_arena_cannot_hand_out_is_refused(tmp_path, offset):
+    """--memo-plan takes a file: an offset that is not 512-aligned, negative or past the arena
+    (a plan edited or made elsewhere) is one line at load, not a misaligned device pointer."""
+    from megatron.longseq.memo.planner import load_plan_summary
+
+    layers = [torch.nn.Linear(64, 64) for _ in range(2)]
+    for i, layer in enumerate(layers, 1):
+        layer.layer_number = i
+    x = torch.randn(8, 64, requires_grad=True)
+    trace = trace_iteration(lambda: torch.nn.Sequential(*layers)(x).square().sum().backward(), layers,
+                            torch.device("cpu"))
+    path = tmp_path / "plan.json"
+    bilevel_plan(trace, "greedy").save(str(path))
+    assert load_plan_summary(str(path))["replay"]["sizes"]  # as saved: loads
+    blob = json.loads(path.read_text())
+    placed = next(i for i, o in enumerate(blob["replay"]["offsets"]) if o != -1)
+    blob["replay"]["offsets"][placed] = offset
+    path.write_text(json.dumps(blob))
+    with pytest.raises(ValueError, match=f"request {placed} is planned at offset {offset} .* plan again"):
+        load_plan_summary(str(path))
 
 
 def _real_trace(alpha, microbatches=1):
