@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron.longseq.collectives import all_reduce_values
 from megatron.longseq.random import load_rng_state_dict, rng_state_dict
 from megatron.training.rerun import gathered_states, restore_states
 from megatron.training.megatron_optim import (
@@ -223,6 +224,19 @@ def read_tracker(root: str):
     if not text.isdigit():
         raise ValueError(f"{path}: expected an iteration number or 'release', found {text!r}")
     return int(text)
+
+
+def same_tracker_everywhere(root: str) -> None:
+    """Collective: every rank read the same tracker. A stale view of a shared file system can show
+    a rank an older one, and that rank would resume from another checkpoint than the rest."""
+    mine = read_tracker(root)
+    code = -1 if mine is None else -2 if mine == RELEASE else mine
+    low, minus_high = all_reduce_values([code, -code], op=dist.ReduceOp.MIN)
+    if low != -minus_high:
+        names = {-1: "none", -2: RELEASE}
+        seen = ", ".join(names.get(int(c), str(int(c))) for c in (low, -minus_high))
+        raise ValueError(f"the ranks read different checkpoints from {os.path.join(root, TRACKER)} ({seen}): "
+                         "is a shared file system showing some nodes an older copy?")
 
 
 def latest_checkpoint(root: str) -> Optional[str]:

@@ -25,7 +25,7 @@ from megatron.training.arguments import ArgsError, parse
 from megatron.training import dist_ckpt
 from megatron.training.checkpointing import (
     carry_model_card, check_args, checkpoint_format, latest_checkpoint, load_checkpoint, recorded_args,
-    save_checkpoint)
+    same_tracker_everywhere, save_checkpoint)
 from megatron.training.data import build_loader, train_valid_test_num_samples
 from megatron.training.exits import ExitWatch
 from megatron.training.distributed import GradBuffer
@@ -402,6 +402,7 @@ def check_load(args, pgs) -> None:
     """--load's recorded model against this run's flags, before anything is built: a format or a
     model that contradicts them (hidden size, heads, vocabulary, ...) is one line at start-up."""
     try:
+        same_tracker_everywhere(args.load)
         path = latest_checkpoint(args.load)
         if path is None:
             return

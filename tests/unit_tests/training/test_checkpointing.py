@@ -109,6 +109,27 @@ def test_tracker_with_garbage_is_an_error(tmp_path):
     assert read_tracker(str(tmp_path / "missing")) is None
 
 
+def _check_ranks_agree_on_the_tracker(root):
+    import torch.distributed as dist
+    from megatron.training.arguments import ArgsError
+    from megatron.training.training import check_load
+    from tests.unit_tests.dist_utils import grid_groups
+
+    args, pgs = tiny_args(f"--load {root}", world_size=2), grid_groups()
+    # this rank's process only: two nodes' views of one tracker file
+    checkpointing.read_tracker = lambda _: checkpointing.RELEASE if dist.get_rank() == 0 else 7
+    with pytest.raises(ArgsError, match=r"the ranks read different checkpoints from .* \(release, 7\)"):
+        check_load(args, pgs)
+
+
+def test_ranks_that_read_different_trackers_stop_before_loading(tmp_path):
+    """Every rank reads the tracker itself; a rank shown an older copy by a shared file system
+    would load another checkpoint than the rest: a one-line error on every rank instead."""
+    from tests.unit_tests.dist_utils import run_ranks
+
+    run_ranks(_check_ranks_agree_on_the_tracker, 2, str(tmp_path))
+
+
 @pytest.mark.parametrize("flag, lr", [("", None), ("--use-checkpoint-opt_param-scheduler", 1e-3),
                                       ("--override-opt_param-scheduler", 2e-3)])
 def test_schedule_settings_on_load_as_megatron_chooses_them(tmp_path, flag, lr):
