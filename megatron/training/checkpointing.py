@@ -27,12 +27,12 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from megatron.longseq.collectives import all_reduce_values
+from megatron.longseq.collectives import all_gather_values, all_reduce_values
 from megatron.longseq.random import load_rng_state_dict, rng_state_dict
 from megatron.training.rerun import gathered_states, restore_states
 from megatron.training.megatron_optim import (
@@ -115,35 +115,56 @@ def save_checkpoint(args, state, pgs) -> str:
     """Collective. `state` has model, optimizer, scheduler, iteration, consumed samples, flops."""
     iteration = state.iteration
     final, tmp = iteration_dir(args.save, iteration), iteration_dir(args.save, iteration) + ".tmp"
-    if dist.get_rank() == 0:
-        os.makedirs(args.save, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
-        os.makedirs(tmp)
-    dist.barrier()
+    on_rank_0(lambda: fresh_dir(tmp))
     rank_dir = os.path.join(tmp, rank_dir_name(pgs))
     distributed = args.use_distributed_optimizer and not args.no_save_optim
     writer = pgs.index("dp_cp") == 0  # the model is replicated over dp x cp: one writer per (tp, pp)
     # collective: every rank's shards, whole on the writer only; then it goes its own way
     flats = state.optimizer.model_space_state(keep=writer) if distributed else None
     rerun = gathered_states(state.rerun)
-    if writer:
+
+    def write():
         os.makedirs(rank_dir, exist_ok=True)
         atomic_torch_save(_main_file(args, state, rerun), os.path.join(rank_dir, "model_optim_rng.pt"))
         if distributed:
             atomic_torch_save(to_megatron(flats, state.optimizer.buffer.offsets, unwrap(state.model), args,
                                           pgs.index("pp"), pgs.size("dp_cp_intra")),
                               os.path.join(rank_dir, DISTRIB_OPTIM))
-    dist.barrier()
+    everywhere_or_nowhere(write if writer else lambda: None)
     publish(args.save, tmp, final, iteration)
     return final
+
+
+def fresh_dir(tmp: str) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
+    os.makedirs(tmp)
+
+
+def everywhere_or_nowhere(work: Callable[[], None]) -> None:
+    """Collective: `work` on every rank (nothing, on some), then every rank learns whether it
+    succeeded everywhere. A failed write (a full disk, a quota) raises on every rank at once;
+    otherwise the others would wait at the next collective until NCCL's watchdog ends the job."""
+    error = None
+    try:
+        work()
+    except Exception as err:  # noqa: BLE001 -- re-raised below, once the others know
+        error = err
+    flags = all_gather_values([1.0 if error is not None else 0.0])
+    if error is not None:
+        raise error
+    failed = [rank for rank, (flag,) in enumerate(flags) if flag]
+    if failed:
+        raise RuntimeError(f"checkpoint files could not be written on rank(s) {failed}; the previous checkpoint stays")
+
+
+def on_rank_0(work: Callable[[], None]) -> None:
+    everywhere_or_nowhere(work if dist.get_rank() == 0 else lambda: None)
 
 
 def publish(root: str, tmp: str, final: str, iteration: int) -> None:
     """Collective, after every rank's files are complete: rank 0 syncs the tree, renames it into
     place and only then points the tracker at it."""
-    if dist.get_rank() == 0:
-        publish_tree(root, tmp, final, str(iteration))
-    dist.barrier()
+    on_rank_0(lambda: publish_tree(root, tmp, final, str(iteration)))
 
 
 def publish_tree(root: str, tmp: str, final: str, tracker: str) -> None:

@@ -30,7 +30,6 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
-import shutil
 from dataclasses import replace
 from functools import partial
 from typing import Optional
@@ -49,8 +48,8 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 from megatron.longseq.random import load_rng_state_dict, rng_state_dict
 from megatron.training.rerun import gathered_states, restore_states
 from megatron.training.checkpointing import (
-    CHECKPOINT_VERSION, LAYOUT_ARGS, check_args, iteration_dir, load_position, load_schedule, model_keys, publish,
-    recorded, saved_args)
+    CHECKPOINT_VERSION, LAYOUT_ARGS, check_args, fresh_dir, iteration_dir, load_position, load_schedule, model_keys,
+    on_rank_0, publish, recorded, saved_args)
 from megatron.training.metrics import print_rank_0
 from megatron.training.model import unwrap
 from megatron.training.optimizer import MODEL_SPACE
@@ -85,12 +84,17 @@ def _finish_write(writer, global_metadata, dist_wrapper) -> None:
     """Collective: every rank's write results to the coordinator, which writes `.metadata`; a
     failed write on any rank raises on all of them."""
     results = dist_wrapper.gather_object(writer.retrieve_write_results())
-    failed = None
+    failed, error = None, None
     if dist_wrapper.is_coordinator:
         failed = [rank for rank, r in enumerate(results) if not isinstance(r, list)]
-        if not failed:
-            writer.finish(global_metadata, results)
+        try:
+            if not failed:
+                writer.finish(global_metadata, results)  # .metadata
+        except Exception as err:  # noqa: BLE001 -- re-raised below, once the others know
+            error, failed = err, [dist_wrapper.get_rank()]
     failed = dist_wrapper.broadcast_object(failed)
+    if error is not None:
+        raise error
     if failed:
         raise RuntimeError(f"checkpoint write failed on rank(s) {failed}; the previous checkpoint stays")
 
@@ -200,10 +204,7 @@ class CheckpointSaver:
         args = self.args
         final = iteration_dir(args.save, state.iteration)
         tmp = final + ".tmp"
-        if dist.get_rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
-            os.makedirs(tmp)
-        dist.barrier()
+        on_rank_0(lambda: fresh_dir(tmp))
         writes = state.optimizer.writes
         states = None if args.no_save_optim else state.optimizer.param_space_state(writes)
         sd = {**_common(args, state, self.pgs), **_sharded(state, self.pgs, states, not args.no_save_rng, writes)}
@@ -278,10 +279,11 @@ def _hashes(path: str, names) -> dict:
 def write_integrity(path: str) -> None:
     names = [n for n in os.listdir(path) if n != INTEGRITY]
     hashes = _hashes(path, names)
-    if dist.get_rank() == 0:
+
+    def write():
         with open(os.path.join(path, INTEGRITY), "w") as f:
             json.dump(hashes, f, indent=1, sort_keys=True)
-    dist.barrier()
+    on_rank_0(write)
 
 
 def verify_integrity(path: str) -> None:

@@ -307,3 +307,48 @@ def test_a_rank_with_nothing_to_write_takes_part_in_the_save(tmp_path):
     from tests.unit_tests.dist_utils import run_ranks
 
     run_ranks(_check_a_rank_with_nothing_to_write, 2, str(tmp_path))
+
+
+def _check_a_failed_write_on_one_rank_raises_on_every_rank(tmp_dir, fmt, where):
+    import torch.distributed as dist
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+    from megatron.training import checkpointing
+    from megatron.training.training import setup
+    from tests.unit_tests.dist_utils import grid_groups
+    from tests.unit_tests.model_utils import tiny_args, tiny_gpt
+
+    args = tiny_args(f"--save {tmp_dir} --bf16 --ckpt-format {fmt}", world_size=2)
+    pgs = grid_groups()
+    state = setup(args, pgs, lambda a, p, d: tiny_gpt(a, p))
+    state.saver = CheckpointSaver(args, pgs, torch.device("cpu"))
+
+    def save():
+        if fmt == "torch":
+            return checkpointing.save_checkpoint(args, state, pgs)
+        state.saver.save(state)
+        return state.saver.finish(blocking=True)
+
+    def full_disk(*_):
+        if dist.get_rank() == 0:
+            raise OSError(28, "No space left on device")
+    owner, name = (checkpointing, "publish_tree") if where == "publish" else (FileSystemWriterAsync, "finish")
+    real = getattr(owner, name)
+    setattr(owner, name, lambda *a: (full_disk(), real(*a))[1])  # this rank's process only
+    expected = "No space left on device" if dist.get_rank() == 0 else r"on rank\(s\) \[0\]"
+    with pytest.raises((OSError, RuntimeError), match=expected):
+        save()
+    setattr(owner, name, real)
+    assert read_tracker(tmp_dir) is None
+    state.iteration = 3
+    save()  # the next save goes through
+    assert read_tracker(tmp_dir) == 3
+
+
+@pytest.mark.parametrize("fmt, where", [("torch", "publish"), ("torch_dist", "publish"), ("torch_dist", "metadata")])
+def test_a_failed_write_on_one_rank_raises_on_every_rank(tmp_path, fmt, where):
+    """A file rank 0 alone writes (the rename and tracker, torch_dist's .metadata) fails there: every
+    rank raises, where the others used to wait at the next collective until the timeout (gloo lets
+    a dead peer be noticed; NCCL waits for its watchdog), and the next save works."""
+    from tests.unit_tests.dist_utils import run_ranks
+
+    run_ranks(_check_a_failed_write_on_one_rank_raises_on_every_rank, 2, str(tmp_path), fmt, where)
