@@ -97,7 +97,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             grad = _logit_grad(_logits(hidden[rows], weight), lse[rows], local[rows], inside[rows], grad_loss[rows])
             grad = grad.to(hidden.dtype)  # the logits' dtype, as the output layer's backward receives it
             grad_hidden[rows] = grad @ weight
-            grad_weight += (grad.t() @ hidden[rows]).float()
+            grad_weight += grad.t() @ hidden[rows]  # an in-place add casts the bf16 product on the fly
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None
 
 

@@ -124,6 +124,22 @@ def test_chunks_never_make_the_whole_logits():
     assert not big[8], big[8]
 
 
+def test_the_backward_makes_one_weight_sized_product_per_chunk():
+    """bf16: each chunk's weight gradient (a [V, h] bf16 product) is added into the fp32
+    accumulator as it is, cast on the fly; an fp32 copy of it per chunk would double the
+    backward's weight-sized memory traffic (a [32000, 4096] one is 0.5 GB a chunk)."""
+    init_single_rank_world()
+    hidden, weight, labels, grad_loss = (t.bfloat16() if t.is_floating_point() else t for t in problem())
+    hidden, weight = hidden.requires_grad_(), weight.requires_grad_()
+    loss = LinearCrossEntropy.apply(hidden, weight, labels, None, 8)
+    with CreatedTensors() as created:
+        loss.backward(grad_loss)
+    weight_sized = [c for c in created.created if c[1] == V * H]
+    chunks = -(-N // 8)
+    # per chunk its product; once the fp32 accumulator and its cast to the weight's dtype
+    assert len(weight_sized) == chunks + 2, weight_sized
+
+
 class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
     """The aten ops run, a boolean index named as such (its kernel counts the mask on the host)."""
 
