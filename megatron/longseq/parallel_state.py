@@ -89,10 +89,12 @@ class RankGrid:
                 f"context parallel size {self.cp} is not divisible by the head-parallel size "
                 f"{self.hp} (cp = head-parallel x ring)"
             )
-        if (self.dp * self.cp) % self.instances:
+        if self.dp % self.instances:
+            # megatron-core asserts it of its expert data-parallel size, which is our dp (see
+            # build_process_groups), deep inside its group set-up; here it is one line up front
             raise GridError(
-                f"data parallel {self.dp} x context parallel {self.cp} is not divisible by the "
-                f"{self.instances} distributed-optimizer instances"
+                f"data parallel size {self.dp} is not divisible by the {self.instances} "
+                f"distributed-optimizer instances"
             )
         if self.inner_ring is not None and (self.inner_ring < 1 or self.ring % self.inner_ring):
             raise GridError(

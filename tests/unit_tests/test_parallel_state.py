@@ -96,7 +96,9 @@ def test_aliased_groups_have_the_same_members(grid):
     (dict(world_size=4, placement="sideways"), "placement must be one of"),
     (dict(world_size=4, order="pp-dp-tp-cp"), "order must be one of"),
     (dict(world_size=4, tp=0), "tp must be >= 1"),
-    (dict(world_size=8, tp=2, instances=3), "data parallel 4 x context parallel 1 is not divisible by the 3"),
+    (dict(world_size=8, tp=2, instances=3), "data parallel size 4 is not divisible by the 3"),
+    # dp x cp would divide; megatron-core's own check (its expert data-parallel size) would not
+    (dict(world_size=4, cp=4, instances=2), "data parallel size 1 is not divisible by the 2"),
 ])
 def test_bad_grids_name_the_numbers(kw, message):
     with pytest.raises(GridError, match=message.replace("(", r"\(").replace(")", r"\)")):
