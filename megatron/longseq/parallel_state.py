@@ -32,6 +32,7 @@ import torch.distributed as dist
 PLACEMENTS = ("head-first", "context-first")
 # Axis orders from the innermost, as megatron-core spells them (ep = 1 here).
 ORDERS = {"tp-cp-dp-pp": "tp-cp-ep-dp-pp", "tp-cp-pp-dp": "tp-cp-ep-pp-dp"}
+OURS = ("hp", "ring", "inner", "outer", "tp_cp", "mp")  # the groups megatron-core has no handle for
 # Coordinates of a rank, innermost axis first.
 AXES = ("tp", "hp", "ring", "dp", "pp")
 
@@ -191,11 +192,21 @@ class RankGrid:
         return out
 
     def aliases(self) -> Dict[str, str]:
-        """Groups with the same members as another, sharing its handle (no second communicator):
-        only where their traffic never runs at the same time (the norms' all-reduce on mp comes
-        after the backward's tensor-parallel collectives)."""
+        """Groups of ours with the same member lists, in the same order, as an earlier group share
+        its handle: no second NCCL communicator over the same ranks (each holds GPU memory). Pure
+        Ulysses' hp is cp, a single ring's ring and inner are cp, tp x cp is tp or cp when the other
+        is 1, mp is tp or pp. Their traffic never runs at the same time: the all-to-all and the
+        ring's transfers are waited on inside attention, before the loss's token count goes over
+        cp; the norms' all-reduce on mp comes after the backward's collectives."""
+        groups = self.all_groups()
+        key = {name: sorted(map(tuple, lists)) for name, lists in groups.items()}
         same = {"dp_cp_intra": "dp_cp"} if self.instances == 1 else {}
-        return {**same, "mp": "tp"} if self.pp == 1 else same
+        names = list(groups)
+        for i, name in enumerate(names):
+            earlier = [e for e in names[:i] if e not in same and key[e] == key[name]]
+            if name in OURS and earlier:
+                same[name] = earlier[0]
+        return same
 
     @staticmethod
     def _sorted(groups: List[List[int]]) -> List[List[int]]:

@@ -76,9 +76,10 @@ def test_distributed_optimizer_instances_are_consecutive_ranks_of_dp_x_cp():
     grid = RankGrid(world_size=16, tp=2, cp=2, instances=2)  # dp x cp groups: [0, 2, 4, ..., 14], [1, 3, ...]
     assert grid.instance_groups("intra") == [[0, 2, 4, 6], [8, 10, 12, 14], [1, 3, 5, 7], [9, 11, 13, 15]]
     assert grid.instance_groups("inter")[:4] == [[0, 8], [2, 10], [4, 12], [6, 14]]
-    assert grid.aliases() == {"mp": "tp"}  # pp 1: the model-parallel group is the tensor-parallel one
+    # two instances: dp_cp_intra is a group of its own; pp 1: the model-parallel group is the tensor-parallel one
+    assert "dp_cp_intra" not in grid.aliases() and grid.aliases()["mp"] == "tp"
     one = RankGrid(world_size=4, tp=2, pp=2)  # one instance: the whole dp x cp group, the same handle
-    assert one.instance_groups("intra") == one.all_groups()["dp_cp"] and one.aliases() == {"dp_cp_intra": "dp_cp"}
+    assert one.instance_groups("intra") == one.all_groups()["dp_cp"] and one.aliases()["dp_cp_intra"] == "dp_cp"
 
 
 @pytest.mark.parametrize("grid", [RankGrid(world_size=8, tp=2, cp=2), RankGrid(world_size=8, tp=2, pp=2),
@@ -184,5 +185,21 @@ def _one_communicator_per_group():
     assert pgs.pp is mpu.get_pipeline_model_parallel_group() and pgs.embd is pgs.pp
 
 
+def _no_group_of_ours_repeats_another():
+    """On every layout: a group of ours whose members (in order) are another group's is that
+    group -- pure Ulysses' hp is cp, a single ring's ring and inner are cp, tp x cp is tp or cp,
+    mp is tp or pp."""
+    from megatron.longseq.parallel_state import OURS
+
+    for kw in (dict(cp=4, hp=4), dict(cp=4), dict(cp=4, hp=2), dict(cp=4, inner_ring=2), dict(pp=2, tp=2),
+               dict(pp=4), dict(tp=2, cp=2, placement="context-first"), dict(pp=2, cp=2, order="tp-cp-pp-dp")):
+        pgs = grid_groups(**kw)
+        for name in OURS:
+            twins = [other for other in pgs.groups if other != name and pgs.members[other] == pgs.members[name]]
+            if pgs.size(name) > 1 and twins:
+                assert any(pgs.groups[name] is pgs.groups[t] for t in twins), (kw, name, twins)
+
+
 def test_one_communicator_per_set_of_ranks():
     run_ranks(_one_communicator_per_group, 2)
+    run_ranks(_no_group_of_ours_repeats_another, 4)
