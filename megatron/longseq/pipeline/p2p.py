@@ -10,6 +10,11 @@ sets up NCCL's pairs first), and a device-wide synchronize on one rank cannot ha
 on NCCL for interleaved groups of the pipeline's size only: with larger ones a send queued behind an
 unmatched send of its link can close a cycle (validate refuses them there). A model of NCCL's
 queues run on this issue order checks both claims (tests/unit_tests/pipeline/test_nccl_queues.py).
+Not covered: two adjacent stages synchronizing their devices in overlapping windows (both caching
+allocators retrying a failed allocation at once, say) can each wait for a posted receive whose send
+the other has yet to issue; the same model finds such a pair in every schedule. Only sends and
+receives paired and waited on where they are issued (Megatron's non-overlapped 1F1B) exclude it, at
+the cost of every transfer's latency on the critical path.
 """
 from __future__ import annotations
 
