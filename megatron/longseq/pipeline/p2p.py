@@ -12,9 +12,10 @@ unmatched send of its link can close a cycle (validate refuses them there). A mo
 queues run on this issue order checks both claims (tests/unit_tests/pipeline/test_nccl_queues.py).
 Not covered: two adjacent stages synchronizing their devices in overlapping windows (both caching
 allocators retrying a failed allocation at once, say) can each wait for a posted receive whose send
-the other has yet to issue; the same model finds such a pair in every schedule. Only sends and
-receives paired and waited on where they are issued (Megatron's non-overlapped 1F1B) exclude it, at
-the cost of every transfer's latency on the critical path.
+the other has yet to issue; the same model finds such a pair in each schedule tried (1F1B, Seq1F1B
+and interleaved, 2-4 stages). Only sends and receives paired and waited on where they are issued
+(Megatron's non-overlapped 1F1B) exclude it, at the cost of every transfer's latency on the
+critical path.
 """
 from __future__ import annotations
 
