@@ -110,7 +110,8 @@ def test_every_file_is_on_disk_before_the_checkpoint_is_published(tmp_path, monk
     tmp = path + ".tmp"
     renamed = events.index(("rename", tmp))
     synced = {p for kind, p in events[:renamed] if kind == "sync"}
-    tree = {os.path.join(tmp, os.path.relpath(os.path.join(d, n), path)) for d, _, files in os.walk(path) for n in files}
+    tree = {os.path.join(tmp, os.path.relpath(os.path.join(d, n), path))
+            for d, _, files in os.walk(path) for n in files}
     assert tree and tree <= synced and tmp in synced
     assert read_tracker(str(tmp_path)) == 0
 
