@@ -63,9 +63,23 @@ def initialize_distributed(args) -> ProcessGroups:
                     hp=args.head_parallel_size, inner_ring=args.cp_inner_ring_size, placement=args.cp_placement,
                     order=rank_order(args), instances=args.num_distributed_optimizer_instances)
     pgs = build_process_groups(grid, args.distributed_timeout_minutes, args.virtual_pipeline_chunks > 1)
+    if args.device_type == "cuda":
+        create_lone_communicators(pgs, device_of(args))
     # Megatron: the same seed on every tp rank of a stage, a different one per pipeline stage.
     seed_everything(args.seed + 100 * pgs.index("pp"), pgs.index("tp"), device_of(args))
     return pgs
+
+
+def create_lone_communicators(pgs: ProcessGroups, device: torch.device) -> None:
+    """NCCL makes a group's communicator, and takes device memory for it, at the group's first
+    collective. A group of one rank is first used wherever the trainer reduces over an axis of
+    size 1: megatron-core's loss all-reduces over tp at the end of the first forward, the step's
+    memory peak (a 64K MEMO run on one H100 ran out of memory in iteration 1 at an NCCL allocation).
+    Those communicators are made now, before the model takes the memory; each has this rank alone
+    in it, so the ranks need no common order."""
+    lone = {id(g): g for g in pgs.groups.values() if g is not None and dist.get_world_size(g) == 1}
+    for group in lone.values():
+        dist.all_reduce(torch.zeros(1, device=device), group=group)
 
 
 def _claim_gpu(args, env: LaunchEnv) -> None:

@@ -150,6 +150,46 @@ def test_the_worlds_first_collective_is_ours_on_the_backends_device(monkeypatch)
     assert calls == ["init_process_group", ("all_reduce_values", None)]
 
 
+def _lone_communicators_made_once_each():
+    pgs = grid_groups(tp=2)  # 2 ranks: tp is the only axis with two
+    reduced, real = [], dist.all_reduce
+    dist.all_reduce = lambda t, group=None, **kw: (reduced.append(group), real(t, group=group, **kw))[1]
+    initialize.create_lone_communicators(pgs, torch.device("cpu"))
+    dist.all_reduce = real
+    lone = {id(g) for g in pgs.groups.values() if g is not None and dist.get_world_size(g) == 1}
+    assert sorted(map(id, reduced)) == sorted(lone) and len(lone) >= 1
+    assert all(dist.get_world_size(g) == 1 for g in reduced) and pgs.tp not in reduced
+
+
+def test_groups_of_one_rank_get_their_communicator_before_the_model(monkeypatch):
+    """NCCL makes a communicator at a group's first collective: for a group of one rank that is
+    megatron-core's loss all-reduce over tp = 1, at the first forward's memory peak. Every distinct
+    group of one rank gets one collective at set-up (CUDA only), groups of several none (no
+    cross-rank order to keep)."""
+    run_ranks(_lone_communicators_made_once_each, 2)
+    calls, pgs = [], SimpleNamespace(index=lambda axis: 0)
+    monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: None)
+    monkeypatch.setattr(initialize, "all_reduce_values", lambda *a, **k: None)
+    monkeypatch.setattr(initialize, "build_process_groups", lambda *a: calls.append("groups") or pgs)
+    monkeypatch.setattr(initialize, "create_lone_communicators", lambda p, device: calls.append((p, device.type)))
+    monkeypatch.setattr(initialize, "_claim_gpu", lambda args, env: None)
+    monkeypatch.setattr(initialize, "seed_everything", lambda *a: calls.append("seeds"))
+    monkeypatch.setattr(initialize, "device_of", lambda args: torch.device(args.device_type))
+    monkeypatch.setattr(initialize, "launch_env", lambda: initialize.LaunchEnv(0, 2, 0))
+    monkeypatch.setattr(initialize, "RankGrid", lambda **kw: None)
+    monkeypatch.setattr(initialize, "rank_order", lambda args: None)
+    for device_type in ("cuda", "cpu"):
+        args = SimpleNamespace(device_type=device_type, deterministic_mode=False, distributed_backend="gloo",
+                               distributed_timeout_minutes=10, tensor_model_parallel_size=1,
+                               pipeline_model_parallel_size=1, context_parallel_size=1, head_parallel_size=1,
+                               cp_inner_ring_size=None, cp_placement="head-first",
+                               num_distributed_optimizer_instances=1, virtual_pipeline_chunks=1, seed=1)
+        calls.clear()
+        initialize.initialize_distributed(args)
+        made = [(pgs, "cuda")] if device_type == "cuda" else []
+        assert calls == ["groups", *made, "seeds"], calls  # after the groups, before anything else
+
+
 @pytest.mark.parametrize("launcher, local_rank, visible, index", [
     ("torchrun", 3, 8, 3), ("srun", 3, 1, 0), ("srun", 3, 8, 3), ("torchrun", 0, 1, 0),
     ("torchrun", 1, 1, None), ("torchrun", 4, 4, None), ("srun", 8, 4, None),
