@@ -287,8 +287,8 @@ class TorchCudnnKernel(AttentionKernel):
     (pytorch#196678; torch's dispatcher routes such calls elsewhere, but we call the op directly):
     those blocks go to torch's flash kernel, which is exact for them, as do blocks of one key, which
     torch's dispatcher never gives cuDNN (check_cudnn_tensor_shapes: "does not support key/value
-    sequence length 1"), and blocks of one query (a packed document's last token against a later
-    ring chunk), which torch's decode check refuses for some cuDNN versions on sm100.
+    sequence length 1"), and blocks of one query (a packed document's piece of a single token),
+    which torch's decode check refuses for cuDNN 9.19-9.25 on sm100.
 
     torch builds a cuDNN graph for every new shape (tens to hundreds of ms each) and keeps it.
     Per-micro-batch segments and packed blocks of a single piece make shapes without end (blocks
