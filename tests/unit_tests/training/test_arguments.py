@@ -87,7 +87,7 @@ def test_padded_vocab_matches_megatron():
     ("--overlap-param-gather", 1, "--overlap-param-gather needs --use-distributed-optimizer"),
     ("--num-distributed-optimizer-instances 2", 2, "--num-distributed-optimizer-instances needs --use-distributed-optimizer"),
     ("--use-distributed-optimizer --num-distributed-optimizer-instances 3", 4,
-     "data parallel 4 x context parallel 1 is not divisible by the 3 distributed-optimizer instances"),
+     "data parallel size 4 is not divisible by the 3 distributed-optimizer instances"),
     ("--num-experts 8", 1, "--num-experts: mixture-of-experts models are outside this project's scope"),
     ("--tensor-model-parallel-size 4 --num-attention-heads 6 --hidden-size 96", 4,
      "--num-attention-heads 6 is not divisible by --tensor-model-parallel-size 4"),
