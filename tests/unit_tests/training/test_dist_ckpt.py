@@ -348,8 +348,8 @@ def _check_a_failed_write_on_one_rank_raises_on_every_rank(tmp_dir, fmt, where):
 @pytest.mark.parametrize("fmt, where", [("torch", "publish"), ("torch_dist", "publish"), ("torch_dist", "metadata")])
 def test_a_failed_write_on_one_rank_raises_on_every_rank(tmp_path, fmt, where):
     """A file rank 0 alone writes (the rename and tracker, torch_dist's .metadata) fails there: every
-    rank raises, where the others used to wait at the next collective until the timeout (gloo lets
-    a dead peer be noticed; NCCL waits for its watchdog), and the next save works."""
+    rank raises, where the others used to wait at the next collective until the timeout (the test
+    world's 180 s here, NCCL's watchdog in a run), and the next save works."""
     from tests.unit_tests.dist_utils import run_ranks
 
     run_ranks(_check_a_failed_write_on_one_rank_raises_on_every_rank, 2, str(tmp_path), fmt, where)
