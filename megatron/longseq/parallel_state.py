@@ -203,8 +203,8 @@ class RankGrid:
         same = {"dp_cp_intra": "dp_cp"} if self.instances == 1 else {}
         names = list(groups)
         for i, name in enumerate(names):
-            earlier = [e for e in names[:i] if e not in same and key[e] == key[name]]
-            if name in OURS and earlier:
+            earlier = [e for e in names[:i] if e not in same and key[e] == key[name]] if name in OURS else []
+            if earlier:
                 same[name] = earlier[0]
         return same
 
