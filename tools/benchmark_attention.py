@@ -51,6 +51,7 @@ from megatron.longseq.attention.placement import local_token_indices  # noqa: E4
 from megatron.longseq.attention.ring import ring_backward, ring_forward  # noqa: E402
 from megatron.longseq.config import LongSeqConfig  # noqa: E402
 from megatron.longseq.parallel_state import RankGrid  # noqa: E402
+from tools.benchmark_gpt import OOM  # noqa: E402
 
 
 def sync(device):
@@ -167,8 +168,10 @@ def out_of_memory_row(measure, seq, args, device, dtype):
     """measure(...)'s result, or None with a row saying the length ran out of memory (freed)."""
     try:
         return measure(seq, args, device, dtype)
-    except torch.OutOfMemoryError:
-        pass  # the frames holding the tensors are gone once out of this handler
+    except RuntimeError as err:  # torch.OutOfMemoryError, or cuDNN's and cuBLAS's ALLOC_FAILED
+        if not OOM.search(str(err)):
+            raise
+    # the frames holding the tensors are gone once out of the handler
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -14,7 +14,9 @@ after --timeout seconds, and none starts once --budget seconds have gone (a row 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
+import functools
 import os
 import re
 import shlex
@@ -79,11 +81,27 @@ def parse(stdout: str, warmup: int, upto: int = None):
 OOM = re.compile(r"out of (device )?memory|OutOfMemoryError|ALLOC_FAILED|Failed to CUDA [cm]alloc", re.IGNORECASE)
 
 
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _die_with_parent(parent: int) -> None:
+    """In a run's process, before it starts: SIGKILL when the process that started it ends (Linux).
+    A run has a session of its own (its data-loader workers go with it when it is stopped), out of
+    reach of a kill of the starter's process group: without this, a tool stopped at its own time
+    limit -- the GPU suite stopping a benchmark, the device command stopping the suite -- would
+    leave its run on the GPU, beside the next one."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the starter ended before the request was made
+        os._exit(1)
+
+
 def run_pretrain(cmd, timeout: float, log_path=None):
     """(exit code, or None when stopped after `timeout` seconds; everything it printed). The
     output goes to a file as it runs (`log_path`, or a temporary one): a stopped run keeps it."""
     with open(log_path, "w+") if log_path else tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+                                preexec_fn=functools.partial(_die_with_parent, os.getpid()),
                                 env=dict(os.environ, PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1"))
         try:
             code = proc.wait(timeout=max(timeout, 1))
@@ -122,8 +140,8 @@ class Runs:
         log = os.path.join(self.args.log_dir, f"{self.prefix}_{name}.log") if self.args.log_dir else None
         code, text = run_pretrain(cmd, min(self.args.timeout, left), log)
         status = run_status(code, text, self.args.timeout <= left)
-        if status == "failed":
-            print(text[-3000:], file=sys.stderr, flush=True)
+        if status != "ok":  # the evidence of a row that says failed, out of memory or timeout
+            print(f"---- {name}: {status}; the end of its output:\n{text[-3000:]}", file=sys.stderr, flush=True)
         return status, text
 
 
@@ -198,7 +216,8 @@ def main(argv=None):
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for seq in args.seq_lengths:
         res, recompute, cmd, status, profile = run(args, seq, runs)
-        profiles += [f"Profile at {seq}:", ""] + profile + [""] if profile else []
+        # the heading names the length: every length's profile is "of iteration N"
+        profiles += [f"Profile at {seq}: {profile[0]}"] + profile[1:] + [""] if profile else []
         if res is None:
             print(f"| {seq} | {status} | | | | {'full' if recompute else 'none'} | `{shown(cmd)}` |", flush=True)
             continue

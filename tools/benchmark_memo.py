@@ -3,6 +3,7 @@ recomputation, and the allocator's fragmentation with and without the planned al
 
     python tools/benchmark_memo.py                          # 7B-shaped layers, 6 of them, bf16
     python tools/benchmark_memo.py --modes memo --budget 540 --log-dir logs   # one mode per call
+    python tools/benchmark_memo.py --bandwidth              # pinned host <-> device copies only
 
 The model has Llama-2-7B's layer shape (h 4096, 32 heads, SwiGLU 11008, RMSNorm, RoPE) and
 --num-layers of them, so that parameters and optimizer state fit beside the activations. For every
@@ -44,6 +45,7 @@ MODES = {
     "memo": "--memo --memo-swap-fraction auto --memo-planner greedy",
     "memo-planned": "--memo --memo-swap-fraction auto --memo-planner greedy --memo-allocator planned",
 }
+ALPHA = re.compile(r"MEMO: alpha ([0-9.]+)")
 MEMORY = re.compile(r"memory \(MB\) \| allocated: ([0-9.]+) \| max allocated: ([0-9.]+) \| "
                     r"reserved: ([0-9.]+) \| max reserved: ([0-9.]+) \| alloc retries: (\d+)")
 
@@ -62,7 +64,8 @@ def command(args, mode: str, seq: int):
 
 
 def run(args, mode: str, seq: int, runs: Runs):
-    """(metrics or None, status, fragmentation dict or None, command)."""
+    """(metrics or None, status, fragmentation dict or None, command); the metrics carry MEMO's
+    alpha (None without MEMO): the overlap it was chosen for is what the row's time tests."""
     cmd = command(args, mode, seq)
     status, text = runs(cmd, f"{mode}_{seq}")
     if status != "ok":
@@ -74,7 +77,27 @@ def run(args, mode: str, seq: int, runs: Runs):
         frag = {"allocated": float(allocated), "max allocated": float(max_allocated), "reserved": float(reserved),
                 "max reserved": float(max_reserved), "retries": int(retries)}
     res = parse(text, args.warmup)
+    if res:
+        alpha = ALPHA.search(text)
+        res["alpha"] = float(alpha.group(1)) if alpha else None
     return res, "ok" if res else "no iteration after the warm-up", frag, cmd
+
+
+def bandwidth_table() -> None:
+    """Pinned host <-> device copy rates, as MEMO's set-up measures them for its LP (the rates it
+    then assumes), at three copy sizes."""
+    import torch
+
+    from megatron.longseq.memo.profiler import copy_rate
+    from megatron.longseq.memo.streams import host_empty
+
+    dev = torch.device("cuda", 0)
+    print(f"device: {torch.cuda.get_device_name(dev)} | date: {datetime.date.today()}")
+    print("| bytes per copy | host to device GB/s | device to host GB/s |")
+    print("| --- | --- | --- |")
+    for mib in (64, 256, 1024):
+        d, h = torch.empty(mib * 2**20, dtype=torch.uint8, device=dev), host_empty(mib * 2**20, pin=True)
+        print(f"| {mib} MiB | {copy_rate(d, h, dev) / 1e9:.1f} | {copy_rate(h, d, dev) / 1e9:.1f} |", flush=True)
 
 
 def main(argv=None):
@@ -92,28 +115,34 @@ def main(argv=None):
                         "growable segments: the baseline for the planned allocator's fragmentation)")
     p.add_argument("--iters", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--bandwidth", action="store_true", help="measure pinned host <-> device copies (CUDA) and stop")
     add_run_limits(p)
     p.add_argument("extra", nargs="*", help="more pretrain_gpt.py flags (after --)")
     args = p.parse_args(argv)
+    if args.bandwidth:
+        return bandwidth_table()
     runs = Runs(args, "memo")
     print(f"device: {device_name()} | date: {datetime.date.today()} | {args.num_layers} layers of {args.shape} shape | "
           f"{'bf16' if args.bf16 else 'fp32'}{' | expandable segments' if args.expandable_segments else ''}")
-    print("| mode | seq | MFU | TFLOP/s/GPU | ms/iter | max reserved - max allocated (MB) | alloc retries | command |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| mode | seq | MFU | TFLOP/s/GPU | ms/iter | alpha | max reserved - max allocated (MB) | alloc retries | "
+          "command |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     longest = {}
     for mode in args.modes:
         for seq in sorted(args.seq_lengths):
             res, status, frag, cmd = run(args, mode, seq, runs)
             if res is None:
-                print(f"| {mode} | {seq} | {status} | | | | | `{shown(cmd)}` |", flush=True)
+                print(f"| {mode} | {seq} | {status} | | | | | | `{shown(cmd)}` |", flush=True)
                 break
             longest[mode] = seq
             mfu = f"{res['mfu']:.1f}%" if res["mfu"] is not None else "n/a"
             gap = f"{frag['max reserved'] - frag['max allocated']:.0f}" if frag else "n/a"
             retries = frag["retries"] if frag else "n/a"
-            print(f"| {mode} | {seq} | {mfu} | {res['tflops']:.1f} | {res['ms']:.0f} | {gap} | {retries} | "
+            alpha = "" if res["alpha"] is None else f"{res['alpha']:.3f}"
+            print(f"| {mode} | {seq} | {mfu} | {res['tflops']:.1f} | {res['ms']:.0f} | {alpha} | {gap} | {retries} | "
                   f"`{shown(cmd)}` |", flush=True)
     print(flush=True)
+    print("Longest sequence per mode:")  # a heading: the GPU suite keeps the two tables apart
     print("| mode | longest sequence that ran |")
     print("| --- | --- |")
     for mode in args.modes:

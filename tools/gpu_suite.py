@@ -23,12 +23,13 @@ Parts, with their seconds on one H100 (estimates where marked ~):
              full recomputation and MEMO at 64K and 128K with the caching allocator's expandable
              segments (PYTORCH_CUDA_ALLOC_CONF), the fragmentation baseline the planned allocator
              has to beat [~480]
-A device command has 10 minutes: give each call the parts that fit and --budget (no command starts
-after it, a running one is stopped there). Writes OUT/suite.md (every table, each part with its
-device, date and commands), OUT/suite.json (each part's status, seconds and commands) and
-OUT/suite.log (every command's whole output). Without CUDA each part runs its dry version on CPU
-(tiny shapes: does everything run end to end) or, where it has none, says in one line that it
-needs CUDA.
+A device command has 10 minutes: give each call the parts that fit; --budget (540 s unless given)
+is when no command starts and a running one is stopped. Writes OUT/suite.md (every table, each part
+with its device, date and commands), OUT/suite.json (each part's status, seconds and commands) and
+OUT/suite.log (every command's whole output), all three again after every command, and the running
+command's output to OUT/running.log as it comes: a suite stopped from outside keeps what it did.
+Without CUDA each part runs its dry version on CPU (tiny shapes: does everything run end to end)
+or, where it has none, says in one line that it needs CUDA.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ import argparse
 import datetime
 import functools
 import json
+import os
 import re
 import sys
 import time
@@ -101,21 +103,7 @@ def _attention(cuda: bool):
 def _bandwidth(cuda: bool):
     if not cuda:
         return None
-    return [("copies", [PY, "-c", BANDWIDTH], 60)]
-
-
-BANDWIDTH = """
-import torch
-from megatron.longseq.memo.profiler import copy_rate
-from megatron.longseq.memo.streams import host_empty
-dev = torch.device("cuda", 0)
-print("| bytes per copy | host to device GB/s | device to host GB/s |")
-print("| --- | --- | --- |")
-for mb in (64, 256, 1024):
-    n = mb * 2**20
-    d, h = torch.empty(n, dtype=torch.uint8, device=dev), host_empty(n, pin=True)
-    print(f"| {mb} MiB | {copy_rate(d, h, dev) / 1e9:.1f} | {copy_rate(h, d, dev) / 1e9:.1f} |")
-"""
+    return [("copies", tool("benchmark_memo.py", "--bandwidth"), 60)]
 
 
 def _smoke(cuda: bool):
@@ -141,12 +129,18 @@ def _expandable(cuda: bool):
                                 "--log-dir", "/tmp/gpu_suite_memo"), 600)]
 
 
+# The lengths each mode tries, until one does not run. Measured on an H100 (docs/benchmarks.md):
+# no recomputation ran 32K and not 64K, full recomputation 64K and not 128K (fragmentation, before
+# the chunked loss); a length past the last one that runs is what tells two modes apart.
+MEMO_LENGTHS = {"none": [16384, 32768, 49152, 65536], "full": [65536, 98304, 131072, 163840, 196608]}
+
+
 def _memo(mode: str, cuda: bool):
     """One MEMO benchmark mode (one device command each: a mode's lengths take up to ~540 s)."""
     if cuda:
-        return [(mode, tool("benchmark_memo.py", "--modes", mode, "--seq-lengths", "32768", "65536", "98304",
-                            "131072", "--iters", "4", "--warmup", "2", "--timeout", "170",
-                            "--log-dir", "/tmp/gpu_suite_memo"), 600)]
+        lengths = [str(n) for n in MEMO_LENGTHS.get(mode, MEMO_LENGTHS["full"])]
+        return [(mode, tool("benchmark_memo.py", "--modes", mode, "--seq-lengths", *lengths, "--iters", "4",
+                            "--warmup", "2", "--timeout", "170", "--log-dir", "/tmp/gpu_suite_memo"), 600)]
     if mode == "memo-planned":  # the planned allocator is CUDA's
         return None
     return [(mode, tool("benchmark_memo.py", "--shape", "tiny", "--num-layers", "4", "--no-bf16", "--modes", mode,
@@ -193,10 +187,11 @@ def smoke_table(results: dict) -> list:
 
 
 class Suite:
-    def __init__(self, out: Path, budget: float, cuda: bool):
+    def __init__(self, out: Path, budget: float, cuda: bool, invoked: str = ""):
         self.out, self.end, self.cuda = out, time.monotonic() + budget, cuda
-        self.report = {"device": device_name(), "date": str(datetime.date.today()), "cuda": cuda, "parts": {}}
-        self.md = [f"# GPU suite: {self.report['device']}, {self.report['date']}", ""]
+        self.report = {"device": device_name(), "date": str(datetime.date.today()), "cuda": cuda,
+                       "command": invoked, "parts": {}}
+        self.md = [f"# GPU suite: {self.report['device']}, {self.report['date']}", "", f"`{invoked}`", ""]
         out.mkdir(parents=True, exist_ok=True)
         self.log = open(out / "suite.log", "w")
 
@@ -206,12 +201,13 @@ class Suite:
         if left <= 0:
             return "not run (budget)", "", 0.0
         start = time.monotonic()
-        code, text = run_pretrain(cmd, min(timeout, left))
+        code, text = run_pretrain(cmd, min(timeout, left), self.out / "running.log")
         seconds = time.monotonic() - start
         status = run_status(code, text, timeout <= left)
         status = f"failed (exit {code})" if status == "failed" else status
         self.log.write(f"\n#### {label}: {shown(cmd)}\n#### {status} in {seconds:.0f} s\n{text}")
         self.log.flush()
+        (self.out / "running.log").unlink()  # in suite.log now
         return status, text, seconds
 
     def part(self, name: str) -> bool:
@@ -232,12 +228,15 @@ class Suite:
             results[label] = (status, text)
             if name != "smoke":
                 self.md += [f"`{shown(cmd)}`: {status}, {seconds:.0f} s", ""] + self._tables(name, text) + [""]
+            self.report["parts"][name] = {"status": "running", "commands": runs}
+            self.save()
         if name == "smoke":
             commands = [f"- {r['label']}: `{r['command']}`" for r in runs]
             self.md += smoke_table(results) + ["", "Commands:", ""] + commands
             self.md.append("")
         ok = all(r["status"] == "ok" for r in runs)
         self.report["parts"][name] = {"status": "ok" if ok else "not all ok", "commands": runs}
+        self.save()
         return ok
 
     @staticmethod
@@ -246,9 +245,15 @@ class Suite:
             return [line for line in text.splitlines() if line.startswith(("FAILED", "ERROR"))] + text.splitlines()[-1:]
         return table_lines(text)
 
+    def save(self) -> None:
+        """suite.md and suite.json as they stand, each replaced whole (never half written)."""
+        texts = {"suite.md": "\n".join(self.md) + "\n", "suite.json": json.dumps(self.report, indent=1) + "\n"}
+        for name, text in texts.items():
+            (self.out / f".{name}").write_text(text)
+            os.replace(self.out / f".{name}", self.out / name)
+
     def close(self) -> None:
-        (self.out / "suite.md").write_text("\n".join(self.md) + "\n")
-        (self.out / "suite.json").write_text(json.dumps(self.report, indent=1) + "\n")
+        self.save()
         self.log.close()
 
 
@@ -256,11 +261,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("out", type=Path, help="directory for suite.md, suite.json and suite.log")
     p.add_argument("--parts", nargs="+", choices=list(PARTS), default=list(PARTS))
-    p.add_argument("--budget", type=float, default=float("inf"),
-                   help="seconds after which no command starts and a running one is stopped")
+    p.add_argument("--budget", type=float, default=540.0,
+                   help="seconds after which no command starts and a running one is stopped (default: a "
+                        "device command's 10 minutes less a minute for installing and copying back)")
     args = p.parse_args(argv)
+    invoked = shown([__file__, *(sys.argv[1:] if argv is None else argv)])
     # nvidia-smi, not torch: this process stays off the GPU its commands use
-    suite = Suite(args.out, args.budget, device_name() != "CPU")
+    suite = Suite(args.out, args.budget, device_name() != "CPU", invoked)
     ok = True
     try:
         for name in args.parts:

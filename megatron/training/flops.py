@@ -32,7 +32,8 @@ def num_floating_point_operations(args, batch_size: int) -> float:
 PEAK_TFLOPS_BF16 = {
     "H200": 989.0,
     "H100 PCIe": 756.0,
-    "H100": 989.0,  # SXM; checked after "H100 PCIe"
+    "H100 NVL": 835.0,
+    "H100": 989.0,  # SXM; checked after the PCIe and NVL cards
     "A100": 312.0,
     "L40S": 362.0,
     "A10": 125.0,
@@ -43,8 +44,9 @@ def default_peak_tflops() -> Optional[float]:
     """The device's dense bf16 peak, or None when unknown (MFU is then not reported)."""
     if not torch.cuda.is_available():
         return None
-    name = torch.cuda.get_device_name()
-    for key, value in PEAK_TFLOPS_BF16.items():
-        if key in name:
-            return value
-    return None
+    return peak_tflops(torch.cuda.get_device_name())
+
+
+def peak_tflops(device_name: str) -> Optional[float]:
+    """The dense bf16 peak of a device by its name (the first key it contains), or None."""
+    return next((value for key, value in PEAK_TFLOPS_BF16.items() if key in device_name), None)

@@ -46,6 +46,22 @@ def test_a_run_past_its_time_is_stopped_and_its_output_kept(tmp_path):
     assert not worker.exists() or "State:\tZ" in worker.read_text()
 
 
+def test_a_stopped_tool_takes_its_runs_with_it(tmp_path):
+    """The GPU suite stops a benchmark tool at the budget; the tool's own run (pretrain_gpt.py, in a
+    session of its own) must end with it, not hold the GPU into the next command."""
+    pid_file = tmp_path / "run.pid"
+    run = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    tool = ("import sys; from tools.benchmark_gpt import run_pretrain; "
+            f"run_pretrain([sys.executable, '-c', {run!r}], 120)")
+    code, _ = benchmark_gpt.run_pretrain([sys.executable, "-c", tool], 4)
+    assert code is None and pid_file.exists()  # stopped, after its run had started
+    status = Path(f"/proc/{pid_file.read_text()}/status")
+    deadline = time.monotonic() + 10
+    while status.exists() and "State:\tZ" not in status.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not status.exists() or "State:\tZ" in status.read_text()
+
+
 def test_no_run_starts_past_the_budget_and_failures_are_named(tmp_path):
     runs = benchmark_gpt.Runs(_limits(tmp_path), "memo")
     assert runs([sys.executable, "-c", "raise SystemExit(3)"], "fails")[0] == "failed"
@@ -78,12 +94,15 @@ def test_fragmentation_is_read_at_the_peak_of_the_training_iterations(monkeypatc
     """max reserved - max allocated of the end line (whose maxima are training's), not the cache
     that reserved - allocated shows once the last iteration has freed its activations."""
     text = _trainer_output(monkeypatch, [(30000, 50000, 60000, 60000), (20000, 52000, 58000, 60000)])
+    text = "MEMO: alpha 0.250 (bandwidth); per layer: ...\n" + text  # the line memo_setup._report prints
     monkeypatch.setattr(benchmark_memo.Runs, "__call__", lambda self, cmd, name: ("ok", text))
     monkeypatch.setattr(benchmark_memo, "device_name", lambda: "CPU")
     benchmark_memo.main(["--modes", "memo", "--seq-lengths", "1024", "--warmup", "1", "--log-dir", str(tmp_path)])
-    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| memo | 1024 |"))
+    out = capsys.readouterr().out.splitlines()
+    row = next(line for line in out if line.startswith("| memo | 1024 |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[2:7] == ["40.0%", "400.0", "2000", "8000", "2"], row  # iteration 2 only; 60000 - 52000
+    assert cells[2:8] == ["40.0%", "400.0", "2000", "0.250", "8000", "2"], row  # iteration 2 only; 60000 - 52000
+    assert out[out.index("| mode | longest sequence that ran |") - 1] == "Longest sequence per mode:"
 
 
 def test_the_profiled_iterations_are_left_out_of_the_gpt_means(monkeypatch, capsys):
@@ -103,7 +122,8 @@ def test_the_profiled_iterations_are_left_out_of_the_gpt_means(monkeypatch, caps
     assert "--train-iters 5" in cmd and "--profile-step-start 3 --profile-step-end 4" in cmd
     out = capsys.readouterr().out
     assert "| 128 | 1000 | 1.0 | n/a | 100 | none |" in out  # iterations 2-3: not 4 (profiled) nor 5 (writing it)
-    assert out.rstrip().endswith("\n".join(profile)), out
+    # the heading names the length (the GPU suite keeps headings followed by a table)
+    assert out.rstrip().endswith("\n".join([f"Profile at 128: {profile[0]}"] + profile[1:])), out
 
 
 def test_expandable_segments_reach_the_run_and_its_row():
@@ -179,12 +199,18 @@ def test_a_length_out_of_memory_gets_its_row_and_the_next_one_runs(capsys):
     from tools.benchmark_attention import out_of_memory_row
 
     def measure(seq, *rest):
+        if seq > 300:
+            raise RuntimeError("cuDNN Frontend error: CUDNN_STATUS_ALLOC_FAILED")  # not torch's own error type
         if seq > 100:
             raise torch.OutOfMemoryError("CUDA out of memory")
+        if seq < 10:
+            raise RuntimeError("shapes do not match")
         return seq
     device = torch.device("cpu")
-    assert [out_of_memory_row(measure, s, None, device, None) for s in (200, 50)] == [None, 50]
-    assert capsys.readouterr().out == "| 200 | out of memory |\n"
+    assert [out_of_memory_row(measure, s, None, device, None) for s in (400, 200, 50)] == [None, None, 50]
+    assert capsys.readouterr().out == "| 400 | out of memory |\n| 200 | out of memory |\n"
+    with pytest.raises(RuntimeError, match="shapes"):  # any other failure is the caller's
+        out_of_memory_row(measure, 5, None, device, None)
 
 
 def test_gpu_suite_dry_run_on_cpu(tmp_path, capsys, monkeypatch):
@@ -201,9 +227,35 @@ def test_gpu_suite_dry_run_on_cpu(tmp_path, capsys, monkeypatch):
     report = json.loads((tmp_path / "suite.json").read_text())
     assert report["parts"]["tests"] == {"status": "skipped (needs CUDA)"}
     assert [r["status"] for r in report["parts"]["attention"]["commands"]] == ["ok"]
+    assert report["command"] == "tools/gpu_suite.py " + str(tmp_path) + " --parts tests bandwidth attention"
     md = (tmp_path / "suite.md").read_text()
     assert "load-balanced ring blocks" in md and "| 256 | torch-cpu-flash |" in md
     assert "#### attention/bench: tools/benchmark_attention.py" in (tmp_path / "suite.log").read_text()
+    assert not (tmp_path / "running.log").exists()  # moved into suite.log once the command ended
+
+
+def test_gpu_suite_writes_its_record_after_every_command(tmp_path, monkeypatch):
+    """A suite stopped from outside (the device command's time limit) keeps what it ran: the
+    record is rewritten after each command, and the running one's output is in running.log."""
+    import json
+
+    from tools import gpu_suite
+
+    said = tmp_path / "said"
+    steps = [("first", [sys.executable, "-c", "print('| a | 1 |')"], 30),
+             ("second", [sys.executable, "-c", f"import pathlib; print('half', flush=True); pathlib.Path("
+                                               f"{str(said)!r}).write_text(pathlib.Path({str(tmp_path)!r}, "
+                                               f"'running.log').read_text())"], 30)]
+    monkeypatch.setitem(gpu_suite.PARTS, "fake", lambda cuda: steps)
+    suite = gpu_suite.Suite(tmp_path, 60.0, cuda=False)
+    written = []
+    monkeypatch.setattr(suite, "save", lambda real=suite.save: (real(), written.append(
+        json.loads((tmp_path / "suite.json").read_text())["parts"]["fake"])))
+    assert suite.part("fake")
+    assert said.read_text() == "half\n"  # what the second command had printed, while it ran
+    assert [[c["label"] for c in w["commands"]] for w in written] == [["first"], ["first", "second"], ["first", "second"]]
+    assert written[0]["status"] == "running" and written[-1]["status"] == "ok"
+    assert "| a | 1 |" in (tmp_path / "suite.md").read_text()
 
 
 def test_gpu_suite_budget_and_smoke_table(tmp_path):

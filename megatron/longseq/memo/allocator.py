@@ -191,6 +191,8 @@ class PlannedAllocator:
         return dict(zip(STATS, out))
 
     def reset_peak(self) -> None:
+        """Peaks from now, retries and failures from zero (what metrics.reset_memory_peaks asks of
+        torch's allocator too)."""
         self.lib.arena_reset_peak()
 
     def empty_cache(self) -> None:

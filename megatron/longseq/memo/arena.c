@@ -571,10 +571,15 @@ void arena_stats(int64_t *out) {
     UNLOCK;
 }
 
+/* The peaks start again from now and the retry and failure counts from zero, as torch's
+   reset_peak_memory_stats + reset_accumulated_memory_stats do for the caching allocator: both
+   allocators' numbers then cover the same iterations. */
 void arena_reset_peak(void) {
     LOCK;
     stats[S_PEAK_ALLOCATED] = stats[S_ALLOCATED];
     stats[S_PEAK_BACKEND_BYTES] = backend_bytes;
+    stats[S_RETRIES] = 0;
+    stats[S_FAILED] = 0;
     UNLOCK;
 }
 

@@ -144,6 +144,10 @@ def test_cache_reuses_a_block_on_its_own_stream_and_retries_when_full():
     assert stats["retries"] == 1 and stats["failed_allocs"] == 0 and stats["backend_bytes"] <= 4 * 4096
     assert alloc.malloc(8192, S) is None  # nothing left to reclaim: a clean failure, counted
     assert alloc.stats()["failed_allocs"] == 1
+    alloc.reset_peak()  # training starts: set-up's retries are not the iterations' (as torch's counters)
+    stats = alloc.stats()
+    assert stats["retries"] == 0 and stats["failed_allocs"] == 0
+    assert stats["peak_allocated_bytes"] == stats["allocated_bytes"] == 4 * 4096  # b, a, d, e live
 
 
 def test_a_block_another_stream_used_waits_for_that_stream():

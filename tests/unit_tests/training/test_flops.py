@@ -2,7 +2,7 @@
 import pytest
 from torch.utils.flop_counter import FlopCounterMode
 
-from megatron.training.flops import default_peak_tflops, num_floating_point_operations
+from megatron.training.flops import default_peak_tflops, num_floating_point_operations, peak_tflops
 from tests.unit_tests.dist_utils import grid_groups, init_single_rank_world
 from tests.unit_tests.model_utils import lm_loss, tiny_args, tiny_gpt
 
@@ -33,3 +33,11 @@ def test_formula_counts_every_gemm_of_forward_and_backward(extra):
 
 def test_no_peak_on_cpu():
     assert default_peak_tflops() is None
+
+
+@pytest.mark.parametrize("name,peak", [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0),
+                                       ("NVIDIA H100 NVL", 835.0), ("NVIDIA H200", 989.0),
+                                       ("NVIDIA A100-SXM4-80GB", 312.0), ("Tesla T4", None)])
+def test_each_card_gets_its_own_dense_bf16_peak(name, peak):
+    """torch's names of the cards (the H100 variants share the prefix: the longer names first)."""
+    assert peak_tflops(name) == peak
