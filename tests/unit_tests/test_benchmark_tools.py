@@ -253,7 +253,8 @@ def test_gpu_suite_writes_its_record_after_every_command(tmp_path, monkeypatch):
         json.loads((tmp_path / "suite.json").read_text())["parts"]["fake"])))
     assert suite.part("fake")
     assert said.read_text() == "half\n"  # what the second command had printed, while it ran
-    assert [[c["label"] for c in w["commands"]] for w in written] == [["first"], ["first", "second"], ["first", "second"]]
+    labels = [[c["label"] for c in w["commands"]] for w in written]
+    assert labels == [["first"], ["first", "second"], ["first", "second"]]
     assert written[0]["status"] == "running" and written[-1]["status"] == "ok"
     assert "| a | 1 |" in (tmp_path / "suite.md").read_text()
 
