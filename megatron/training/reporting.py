@@ -108,6 +108,12 @@ def attention_kernel_line(chunks, backend: str) -> str:
 
 
 def pipeline_memory_line(pipeline: Pipeline, pgs) -> str:
-    """Measured peak of saved activations, per pipeline stage (gathered over the pp group)."""
-    peaks = all_gather_values([pipeline.stats.get("peak_activation_bytes", 0)], pgs.pp)
-    return "peak saved activations per pipeline stage (MB): " + " ".join(f"{p[0] / 2**20:.1f}" for p in peaks)
+    """Measured peak of saved activations, per pipeline stage (gathered over the pp group), and
+    with Seq1F1B segments the peak of their cross-segment state (fp32 dK/dV, copied K/V)."""
+    stats = pipeline.stats
+    peaks = all_gather_values([stats.get("peak_activation_bytes", 0), stats.get("peak_segment_state_bytes", 0)],
+                              pgs.pp)
+    line = "peak saved activations per pipeline stage (MB): " + " ".join(f"{p[0] / 2**20:.1f}" for p in peaks)
+    if any(p[1] for p in peaks):
+        line += "; Seq1F1B cross-segment state (MB): " + " ".join(f"{p[1] / 2**20:.1f}" for p in peaks)
+    return line

@@ -265,8 +265,11 @@ def dense_document_mask(starts: torch.Tensor) -> torch.Tensor:
 
 
 def positions_of(params, like: torch.Tensor) -> torch.Tensor:
-    """[b, s] position ids from the batch metadata, or 0..s-1 when the caller gave none."""
+    """[b, s] position ids from the batch metadata, or 0..s-1 when the caller gave none (which
+    only a whole sequence may: a Seq1F1B segment's tokens start further on)."""
     if isinstance(params, AttentionInputs) and params.position_ids is not None:
         return params.position_ids
+    if isinstance(params, AttentionInputs) and params.segment is not None:
+        raise ValueError("a Seq1F1B segment needs the position ids of its tokens (0..s-1 are the first segment's)")
     s, b = like.shape[:2]
     return torch.arange(s, device=like.device).unsqueeze(0).expand(b, s)

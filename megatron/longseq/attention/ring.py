@@ -425,7 +425,7 @@ class _RingAttention(torch.autograd.Function):
                                                          dq, route))
             later = segment.take_grad(layer)  # what later segments sent back to this one
             if later is not None:
-                dkv = dkv + later
+                dkv.add_(later)  # the ring's own new fp32 tensor
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), *none
 
 

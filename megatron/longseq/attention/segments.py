@@ -7,6 +7,12 @@ here; the partially ordered queue runs segment s's backward before any earlier o
 the time segment j's backward runs its gradient sum is complete and it takes it. Exact gradients.
 Segment j's keys and values are read by later segments only, forward and backward: they are let go
 at segment j's backward (every later one's is over), and the last segment's are never kept.
+
+The gradients are fp32, as the ring's accumulators are: a sum over up to k - 1 later segments,
+each added once, rounded once when segment j's backward casts its dK/dV to the keys' dtype. In a
+bf16 run they take twice the bytes of the kept keys and values (for a 7B-shaped stage of 8 layers,
+32K tokens and k = 4, about 6 GiB); `held_bytes` counts them, with the keys and values kept as
+copies of their own, for the pipeline's memory line: autograd's saved tensors do not include them.
 """
 from __future__ import annotations
 
@@ -22,10 +28,16 @@ class SegmentState:
         self.segments = segments  # how many the micro-batch has (0: not said, every one is kept)
         self.kv: Dict[int, List[Optional[Tuple[torch.Tensor, torch.Tensor]]]] = defaultdict(list)
         self.grads: Dict[Tuple[int, int], torch.Tensor] = {}
+        self.copies: Dict[Tuple[int, int], int] = {}  # (layer, segment) -> bytes of keys and values copied
 
     def release(self) -> None:
         self.kv.clear()
         self.grads.clear()
+        self.copies.clear()
+
+    def held_bytes(self) -> int:
+        """What this state holds beyond autograd's saved tensors: the gradients and the copies."""
+        return sum(_nbytes(g) for g in self.grads.values()) + sum(self.copies.values())
 
 
 @dataclass
@@ -50,21 +62,33 @@ class SegmentSlot:
             return
         if len(kept) == self.index:  # a recompute of this segment finds it kept already
             kept.append((_own(k), _own(v)) if own else (k, v))
+            if own:
+                self.state.copies[(layer, self.index)] = sum(_nbytes(x) for x in kept[-1])
 
     def add_grad(self, layer: int, segment: int, dkv: torch.Tensor) -> None:
+        """Add a later segment's dK/dV (fp32, [2, b, g, s_j, d]) of segment `segment`'s keys and
+        values; the first is kept as given (the ring's own new tensor), the next added into it."""
         key = (layer, segment)
-        self.state.grads[key] = dkv if key not in self.state.grads else self.state.grads[key] + dkv
+        if key in self.state.grads:
+            self.state.grads[key].add_(dkv)
+        else:
+            self.state.grads[key] = dkv
 
     def take_grad(self, layer: int):
         """This segment's keys' and values' gradients from the later segments, whose backwards are
         over: its keys and values are let go (all of the layer's at segment 0, the last backward)."""
         grad = self.state.grads.pop((layer, self.index), None)
+        self.state.copies.pop((layer, self.index), None)
         kept = self.state.kv[layer]
         if self.index == 0:
             self.state.kv.pop(layer, None)
         elif self.index < len(kept):
             kept[self.index] = None
         return grad
+
+
+def _nbytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()
 
 
 def _own(x: torch.Tensor) -> torch.Tensor:

@@ -69,11 +69,14 @@ class Pipeline:
 
 class _ActivationMeter:
     """Bytes autograd saves for backward, per operation (parameters excluded: they live in the
-    flat parameter buffer), and the peak of what is alive between a forward and its backward."""
+    flat parameter buffer), and the peak of what is alive between a forward and its backward;
+    apart from them, the peak of what the micro-batches' segment states hold (`held()`: the
+    cross-segment gradients and key/value copies), read after every forward and backward."""
 
-    def __init__(self, param_ptrs):
+    def __init__(self, param_ptrs, held=lambda: 0):
         self.param_ptrs, self.live, self.peak, self.of = param_ptrs, 0, 0, {}
         self.key, self.seen = None, set()
+        self.held, self.peak_held = held, 0
 
     def count(self, t: torch.Tensor) -> None:
         ptr = t.untyped_storage().data_ptr()
@@ -94,9 +97,11 @@ class _ActivationMeter:
             _METERING = None
         self.live += self.of.get(key, 0)
         self.peak = max(self.peak, self.live)
+        self.peak_held = max(self.peak_held, self.held())
 
     def backward_done(self, key):
         self.live -= self.of.pop(key, 0)
+        self.peak_held = max(self.peak_held, self.held())
 
 
 _METERING: Optional[_ActivationMeter] = None  # the meter of the forward running now
@@ -134,7 +139,8 @@ class _Runner:
         dtype = getattr(self.config, "pipeline_dtype", None) or next(chunks[0].parameters()).dtype
         self.meter = None  # only when the log reports activations: no set of parameter pointers otherwise
         if pipe.measure_activations and not forward_only:
-            self.meter = _ActivationMeter({p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()})
+            self.meter = _ActivationMeter({p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()},
+                                          lambda: sum(state.held_bytes() for state in self.states.values()))
         self.inbox, self.outbox = self._links(device, dtype)
 
     # ---- links --------------------------------------------------------------------------------
@@ -364,8 +370,9 @@ def forward_backward_seq1f1b(
     grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
     with grad_ctx:
         runner.run(ops)
-    peak = runner.meter.peak if runner.meter is not None else 0
-    pipe.stats = {"peak_activation_bytes": peak, "timeline": runner.timeline}
+    meter = runner.meter
+    pipe.stats = {"peak_activation_bytes": meter.peak if meter else 0, "peak_segment_state_bytes":
+                  meter.peak_held if meter else 0, "timeline": runner.timeline}
     config = runner.config
     if not forward_only and config.finalize_model_grads_func is not None:
         tokens = None

@@ -210,6 +210,20 @@ def test_seq1f1b_segments_give_whole_sequence_attention_and_gradients(world):
     run_ranks(_all_segment_cases, world, world)
 
 
+def test_segment_state_adds_later_gradients_in_place_and_counts_what_it_holds():
+    """Later segments' dK/dV go into the first one's tensor (no sum made beside it); the state
+    counts them and the keys and values it keeps as its own, and holds nothing after segment 0."""
+    state, k = SegmentState(3), torch.randn(1, 2, 8, 4)  # [b, g, s, d]
+    first, later = SegmentSlot(state, 0), [SegmentSlot(state, s) for s in (1, 2)]
+    first.keep(1, k, k.clone(), own=True)  # as under recompute: nothing else holds them
+    dkv = torch.ones(2, *k.shape)  # [2, b, g, s, d] fp32
+    later[1].add_grad(1, 0, dkv)
+    later[0].add_grad(1, 0, torch.full_like(dkv, 2.0))
+    assert state.grads[(1, 0)] is dkv and torch.equal(dkv, torch.full_like(dkv, 3.0))
+    assert state.held_bytes() == dkv.numel() * 4 + 2 * k.numel() * 4
+    assert first.take_grad(1) is dkv and state.held_bytes() == 0
+
+
 @pytest.mark.parametrize("mode", ["grad-off", "recompute", "grad-on"])
 def test_seq1f1b_cache_keeps_no_fused_projection_alive(mode):
     """Where autograd lets go of the forward's tensors (grad off, as in MEMO's kept attention, or

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron.core.transformer.enums import AttnBackend, AttnMaskType
-from megatron.longseq.attention.core import AttentionInputs, LongSeqCoreAttention
+from megatron.longseq.attention.core import AttentionInputs, LongSeqCoreAttention, positions_of
 from megatron.longseq.config import LongSeqConfig
 from megatron.longseq.random import seed_everything
 from tests.unit_tests.attention.test_rope import complex_rope
@@ -105,3 +105,13 @@ def test_dropout_only_in_training_and_replayed_by_selective_recompute():
     assert torch.equal(out_a, out_b)  # same stream, same masks
     for a, b in zip(grads_a, grads_b):
         assert torch.equal(a, b)  # recompute redraws the very same dropout mask
+
+
+def test_a_segment_without_position_ids_is_refused():
+    """0..s-1 would give every Seq1F1B segment the first one's RoPE angles."""
+    from megatron.longseq.attention.segments import SegmentSlot, SegmentState
+
+    x = torch.zeros(8, 1, 2, 4)  # [s, b, h, d]
+    assert torch.equal(positions_of(AttentionInputs(), x), torch.arange(8).unsqueeze(0))
+    with pytest.raises(ValueError, match="position ids"):
+        positions_of(AttentionInputs(segment=SegmentSlot(SegmentState(2), 1)), x)

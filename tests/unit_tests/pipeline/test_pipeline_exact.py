@@ -26,7 +26,7 @@ MODEL = ("--num-layers 8 --group-query-attention --num-query-groups 2 --position
 
 
 def one_iteration(args, pgs):
-    """Loss sum/count (last stage, else None), gradients by global name, peak activation bytes."""
+    """Loss sum/count (last stage, else None), gradients by global name, the pipeline's stats."""
     import pretrain_gpt
 
     state = setup(args, pgs, lambda a, p, d: build_model_chunks(a, p, d))
@@ -62,7 +62,7 @@ def one_iteration(args, pgs):
     for model in unwrap(state.model):
         for name, p in model.named_parameters():
             grads[global_name(model, name)] = gather_tp(p.main_grad.clone(), p, pgs)
-    return loss, grads, state.pipeline.stats["peak_activation_bytes"]
+    return loss, grads, state.pipeline.stats
 
 
 def gather_tp(grad, param, pgs):
@@ -200,12 +200,18 @@ def test_sequence_parallel_layouts_equal_one_stage(reference):
 def _memory_follows_the_schedule(p):
     """Stage i holds w_i + 1 units at its peak: P - i micro-batches under 1F1B, (P - i - 1 + k)/k
     micro-batches' worth of segments under Seq1F1B (the last stage: one either way). Measured as
-    the bytes autograd saves between each forward and its backward."""
-    stage, peaks = dist.get_rank(), {}
+    the bytes autograd saves between each forward and its backward. Apart from them, the segment
+    state's peak: once a micro-batch's last segment has gone backward, the fp32 dK/dV of its
+    earlier segments for each of the stage's layers."""
+    stage, peaks, held = dist.get_rank(), {}, {}
     for k in (1, 2, 4):
         args = tiny_args(f"{MODEL} --seq-length 128 --max-position-embeddings 128 "
                          f"--pipeline-model-parallel-size {p} --pipe-sp-splits {k} --global-batch-size 8", world_size=p)
-        _, _, peaks[k] = one_iteration(args, grid_groups(pp=p))
+        _, _, stats = one_iteration(args, grid_groups(pp=p))
+        peaks[k], held[k] = stats["peak_activation_bytes"], stats["peak_segment_state_bytes"]
+        earlier = args.seq_length * (k - 1) // k  # the tokens of segments 0..k-2 (equal segments)
+        per_layer = 2 * args.micro_batch_size * args.num_query_groups * earlier * args.kv_channels * 4  # [2,b,g,s,d]
+        assert held[k] == args.num_layers // p * per_layer, (k, held)
     for k in (2, 4):
         expected = (p - stage - 1 + k) / (k * (p - stage))
         # per-unit overheads not proportional to the segment's tokens stay well under 3%

@@ -46,6 +46,9 @@ def _collectives_of_host_values():
     assert memo_setup._agree(float(rank), dist.ReduceOp.MAX, None) == 1.0
     line = pipeline_memory_line(SimpleNamespace(stats={"peak_activation_bytes": (rank + 1) * 2**20}), pgs)
     assert line.endswith("(MB): 1.0 2.0")
+    stats = {"peak_activation_bytes": 2**20, "peak_segment_state_bytes": rank * 2**21}  # Seq1F1B's own state
+    assert pipeline_memory_line(SimpleNamespace(stats=stats), pgs).endswith(
+        "(MB): 1.0 1.0; Seq1F1B cross-segment state (MB): 0.0 2.0")
     timers = Timers(1, cuda=False)
     timers("x", 0).elapsed_s = 0.001 * (rank + 1)
     assert timers.pop_min_max(["x"])["x"] == pytest.approx((1.0, 2.0))
