@@ -46,6 +46,11 @@ def build_datasets(args, tokenizer, num_samples):
         create_attention_mask=False,
         mid_level_dataset_surplus=0.005,
     )
+    # A split no evaluation reads is not built (its share of the documents stays out of training):
+    # megatron-core would loop forever on one that received no documents.
+    for i in (1, 2):
+        if not num_samples[i]:
+            config.split_matrix[i] = None
     cls = MockGPTDataset if args.mock_data else GPTDataset
     return BlendedMegatronDatasetBuilder(cls, num_samples, lambda: True, config).build()
 

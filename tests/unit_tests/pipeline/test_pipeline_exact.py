@@ -4,7 +4,10 @@ interleaved or not (chunk groups of the pipeline size or larger), combined with 
 context parallel 2 and 4 (a double ring among them), data parallel 2 (overlapped buckets, the tied
 embedding's summed over the stages after the data-parallel reduction; with cp, two optimizer
 instances), the per-token loss, Megatron's tp-pp-dp rank order, and MEMO's token-wise
-swap/recompute at several alphas. Each row's grid is the one the trainer builds from its flags."""
+swap/recompute at several alphas. Each row's grid is the one the trainer builds from its flags.
+Every row also checks that each stage-to-stage message is received into a buffer of its shape and
+dtype (p2p_contract)."""
+import contextlib
 import weakref
 
 import pytest
@@ -80,6 +83,45 @@ def gather_tp(grad, param, pgs):
     return torch.cat(pieces, dim=dim)
 
 
+class _LinkSpy:
+    """torch.distributed as the pipeline's links see it, with each isend/irecv written down (the
+    module itself is left alone: P2POp, which the ring uses, accepts only the real functions)."""
+
+    def __init__(self):
+        self.sent, self.received = [], []
+
+    def __getattr__(self, name):
+        return getattr(dist, name)
+
+    def isend(self, tensor, dst=None, group=None):
+        self.sent.append((dst, tuple(tensor.shape), tensor.dtype))
+        return dist.isend(tensor, dst=dst, group=group)
+
+    def irecv(self, tensor, src=None, group=None):
+        self.received.append((src, tuple(tensor.shape), tensor.dtype))
+        return dist.irecv(tensor, src=src, group=group)
+
+
+@contextlib.contextmanager
+def p2p_contract():
+    """Every pipeline message's receive buffer has its send's shape and dtype, message by message
+    on each link. gloo receives into a larger buffer or one of another dtype of equal bytes, where
+    NCCL would hang or hand over wrong values; so the CPU tests check it."""
+    from megatron.longseq.pipeline import p2p
+
+    spy = _LinkSpy()
+    p2p.dist = spy
+    try:
+        yield
+    finally:
+        p2p.dist = dist
+    me, everyone = dist.get_rank(), [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (me, spy.sent))
+    for rank, theirs in everyone:
+        to_me = [(shape, dtype) for dst, shape, dtype in theirs if dst == me]
+        assert to_me == [(shape, dtype) for src, shape, dtype in spy.received if src == rank], (rank, me)
+
+
 def _check(extra, ref_path):
     world = dist.get_world_size()
     if "--sequence-parallel" in extra:
@@ -89,7 +131,8 @@ def _check(extra, ref_path):
     # the trainer's seeding: under sequence parallelism the embedding's dropout (p = 0 here) draws
     # from the tensor-parallel stream, which must exist
     seed_everything(args.seed, pgs.index("tp"), torch.device("cpu"))
-    loss, grads, _ = one_iteration(args, pgs)
+    with p2p_contract():
+        loss, grads, _ = one_iteration(args, pgs)
     ref = torch.load(ref_path)
     if loss is not None:
         # fp32: segments and stages sum the same terms in another order; 7.0 +- a few ulps
