@@ -59,11 +59,18 @@ def attend(pgs, mode, device, dtype, shape):
     return idx, out.detach(), *(x.grad for x in leaves), attn.kernel_ran
 
 
+def start_method(device: str) -> str:
+    """Ranks that use CUDA are spawned: a forked rank of a process that asked the CUDA runtime
+    anything cannot use CUDA, and whether the fork server's imports did depends on NVML being
+    found (conftest.py). On CPU the preloaded fork server saves each rank seconds of imports."""
+    return "spawn" if device != "cpu" else "forkserver"
+
+
 def gathered(mode, device, dtype, shape):
     """The whole sequence's (out, dq, dk, dv) put together from every rank's share, and the
     kernel the ranks ran."""
     multiprocessing.set_forkserver_preload(PRELOAD)
-    ranks = run_group(attend, grid_of(mode), mode, device, dtype, shape, start_method="forkserver")
+    ranks = run_group(attend, grid_of(mode), mode, device, dtype, shape, start_method=start_method(device))
     whole = []
     for i in range(4):
         parts = [r[1 + i] for r in ranks]
@@ -148,7 +155,7 @@ def attend_documents(pgs, mode, device, dtype, starts, d):
 def check_documents(mode, device, dtype, starts, d, atol_out, atol_grad, rtol=0.0):
     """Every rank's share against the float64 reference under the document mask; the varlen calls."""
     multiprocessing.set_forkserver_preload(PRELOAD)
-    ranks = run_group(attend_documents, grid_of(mode), mode, device, dtype, starts, d, start_method="forkserver")
+    ranks = run_group(attend_documents, grid_of(mode), mode, device, dtype, starts, d, start_method=start_method(device))
     *_, heads, groups = MODES[mode]
     _, want = document_problem(heads, groups, starts, d=d)
     for idx, *got, _ in ranks:

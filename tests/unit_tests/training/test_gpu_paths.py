@@ -442,3 +442,43 @@ def _sequence_parallel_grads_in_one_all_reduce():
 
 def test_sequence_parallel_norm_gradients_are_summed_in_one_all_reduce():
     run_ranks(_sequence_parallel_grads_in_one_all_reduce, 2)
+
+
+# What the tests' fork server does at start (tests/unit_tests/dist_utils.py: PRELOAD), with a CUDA
+# build's availability check faked in for the imports: which CUDA runtime calls it makes.
+_FORK_SERVER = """
+import importlib, torch
+import torch._dynamo  # its import reads _is_compiled (below faked) and would want CUDA's symbols
+calls, real, compiled = [], torch.cuda.is_available, torch.cuda._is_compiled
+torch._C._cuda_getDeviceCount = lambda: (calls.append("cudaGetDeviceCount"), 1)[1]  # poisons fork
+torch.cuda._device_count_nvml = lambda: 1  # NVML finds one device
+
+def as_if_built_with_cuda():
+    torch.cuda._is_compiled = lambda: True
+    try:
+        return real()
+    finally:
+        torch.cuda._is_compiled = compiled
+
+torch.cuda.is_available = as_if_built_with_cuda
+from tests.unit_tests.dist_utils import PRELOAD
+for name in PRELOAD:
+    importlib.import_module(name)
+print("CUDA runtime calls:", calls)
+"""
+
+
+def test_the_rank_fork_server_leaves_cuda_usable_in_its_ranks():
+    """megatron-core's import asks torch.cuda.is_available(). On a CUDA build that calls
+    cudaGetDeviceCount -- after which torch refuses CUDA in every forked process, the ranks of
+    every multi-rank test -- unless PYTORCH_NVML_BASED_CUDA_CHECK=1 (conftest.py) sends it to NVML."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    without = {k: v for k, v in os.environ.items() if k != "PYTORCH_NVML_BASED_CUDA_CHECK"}
+    for env, want in ((without, "['cudaGetDeviceCount']"), (dict(os.environ), "[]")):
+        out = subprocess.run([sys.executable, "-c", _FORK_SERVER], env=env, cwd=root, capture_output=True, text=True,
+                             timeout=300)
+        assert out.returncode == 0 and out.stdout.strip().endswith(f"CUDA runtime calls: {want}"), out.stderr[-2000:]
