@@ -46,7 +46,7 @@ from megatron.longseq.attention.documents import causal_work, lognormal_starts  
 from megatron.longseq.attention.placement import DocumentLayout  # noqa: E402
 from megatron.longseq.attention.context_parallel import ContextParallel  # noqa: E402
 from megatron.longseq.attention.kernels import default_scale, grad_like, select_kernel  # noqa: E402
-from megatron.longseq.attention.loopback import run_threads  # noqa: E402
+from megatron.longseq.attention.loopback import RankThreads  # noqa: E402
 from megatron.longseq.attention.placement import local_token_indices  # noqa: E402
 from megatron.longseq.attention.ring import ring_backward, ring_forward  # noqa: E402
 from megatron.longseq.config import LongSeqConfig  # noqa: E402
@@ -223,9 +223,13 @@ def bench_ring(seq, args, device, dtype):
     scale = default_scale(args.head_dim, None)
     times = {}
     for r in args.ring:
-        grid, positions = RankGrid(world_size=r, cp=r), position_inputs(leaves, dout, r)
-        times[r] = timed(lambda: run_threads(ring_position, grid, positions, kernel, scale), device,
-                         max(args.warmup, 1), args.iters)
+        # the same thread for a position in every call: cuDNN keeps its graphs per thread
+        threads, positions = RankThreads(RankGrid(world_size=r, cp=r)), position_inputs(leaves, dout, r)
+        try:
+            times[r] = timed(lambda: threads.run(ring_position, positions, kernel, scale), device,
+                             max(args.warmup, 1), args.iters)
+        finally:
+            threads.close()
     return times, timed(bare_step(kernel, *kernel_views(leaves, dout), scale), device, args.warmup, args.iters)
 
 

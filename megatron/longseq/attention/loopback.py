@@ -6,7 +6,10 @@ Why: one GPU cannot host two NCCL ranks, yet the GPU kernels of ring, double-rin
 attention must see the slices, strides and dtypes of a multi-GPU run. Here they do: the attention
 code is the trainer's (comm.py sends a call to a loopback group instead of torch.distributed), and
 only the transport differs -- tensors travel through the host between processes, so a message
-costs a copy out and a copy in, and timings of a loopback run mean nothing.
+costs a copy out and a copy in, and timings of a loopback run mean nothing. The transport holds
+the calls to NCCL's contract, which a copy would let pass: buffers contiguous, a message received
+into a buffer of its shape, dtype and device, a sent buffer left alone until its request is
+waited for.
 
 Processes, not threads: autograd runs the backward of CUDA tensors on one engine thread per
 device, so two ranks' backwards in one process would wait for each other's messages on that one
@@ -18,6 +21,7 @@ import collections
 import io
 import queue
 import threading
+from functools import partial
 from typing import Callable, Dict, List, Sequence
 
 import torch
@@ -41,19 +45,35 @@ class Mailbox:
         self.early: Dict[tuple, collections.deque] = collections.defaultdict(collections.deque)
 
     def send(self, group: str, dst: int, tensor: torch.Tensor) -> None:
-        self.queues[dst].put((group, self.rank, self.pack(tensor.detach())))
+        _require(tensor.is_contiguous(), f"rank {self.rank} sends a non-contiguous {tuple(tensor.shape)} on {group}")
+        self.queues[dst].put((group, self.rank, self.pack(tensor.detach()), _meta(tensor)))
 
-    def receive(self, group: str, src: int) -> torch.Tensor:
-        """The next message from `src` on `group`: per sender and group in order, as NCCL's."""
+    def receive(self, group: str, src: int, into: torch.Tensor) -> None:
+        """The next message from `src` on `group` (per sender and group in order, as NCCL's) into
+        `into`, which must be contiguous and of the message's shape, dtype and device."""
         key = (group, src)
         while not self.early[key]:
             try:
-                name, sender, tensor = self.queues[self.rank].get(timeout=TIMEOUT)
+                name, sender, tensor, meta = self.queues[self.rank].get(timeout=TIMEOUT)
             except queue.Empty:
                 raise TimeoutError(f"loopback rank {self.rank}: nothing from rank {src} on {group} "
                                    f"in {TIMEOUT:.0f} s") from None
-            self.early[(name, sender)].append(tensor)
-        return self.unpack(self.early[key].popleft())
+            self.early[(name, sender)].append((tensor, meta))
+        tensor, meta = self.early[key].popleft()
+        _require(into.is_contiguous() and meta == _meta(into), f"rank {self.rank} receives {meta} from rank {src} "
+                                                               f"on {group} into a buffer {_meta(into)}, contiguous: "
+                                                               f"{into.is_contiguous()}")
+        into.copy_(self.unpack(tensor))
+
+
+def _meta(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), t.dtype, t.device.type
+
+
+def _require(ok: bool, what: str) -> None:
+    """NCCL's side of a call, which a loopback copy would let pass."""
+    if not ok:
+        raise RuntimeError(f"loopback: {what} (NCCL would hang or deliver wrong values)")
 
 
 class _Done:
@@ -81,24 +101,37 @@ class LoopbackGroup:
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, group=None):
         """Piece i of `input` to member i; member i's piece for us into piece i of `output`
         (flat buffers, split sizes in elements, as comm.py calls it)."""
+        for buf, sizes in ((input, input_split_sizes), (output, output_split_sizes)):
+            _require(buf.is_contiguous() and sum(sizes) == buf.numel() and len(sizes) == self.size(),
+                     f"all_to_all_single on {self.name}: split sizes {list(sizes)} for a buffer of {buf.numel()}, "
+                     f"contiguous: {buf.is_contiguous()}")
         for dst, piece in zip(self.members, torch.split(input, input_split_sizes)):
             self.mailbox.send(self.name, dst, piece)
         for src, piece in zip(self.members, torch.split(output, output_split_sizes)):
-            piece.copy_(self.mailbox.receive(self.name, src))
+            self.mailbox.receive(self.name, src, piece)
 
     def all_reduce(self, tensor, group=None):
         for dst in self.members:
             self.mailbox.send(self.name, dst, tensor)
-        total = sum(self.mailbox.receive(self.name, src).to(tensor.device) for src in self.members)
+        total = torch.zeros_like(tensor)
+        for src in self.members:
+            part = torch.empty_like(tensor)
+            self.mailbox.receive(self.name, src, part)
+            total += part
         tensor.copy_(total)
 
     def batch(self, sends, recvs) -> List[_Done]:
         """Sends [(tensor, rank)] go out now; each receive [(buffer, rank)] fills its buffer when
-        its request is waited for (comm.py's `_start_batch`)."""
+        its request is waited for (comm.py's `_start_batch`). A sent tensor written before its
+        request is waited for is refused there: NCCL may still be reading it."""
         for t, dst in sends:
             self.mailbox.send(self.name, dst, t)
-        return [_Done() for _ in sends] + [
-            _Done(lambda buf=buf, src=src: buf.copy_(self.mailbox.receive(self.name, src))) for buf, src in recvs]
+        return [_Done(partial(_unchanged, t, t._version, self.name)) for t, _ in sends] + [
+            _Done(partial(self.mailbox.receive, self.name, src, buf)) for buf, src in recvs]
+
+
+def _unchanged(t: torch.Tensor, version: int, group: str) -> None:
+    _require(t._version == version, f"a tensor sent on {group} was written before its request was waited for")
 
 
 def loopback_groups(grid: RankGrid, rank: int, mailbox: Mailbox) -> ProcessGroups:
@@ -160,24 +193,52 @@ def run_group(fn, grid: RankGrid, *args, start_method: str = "spawn") -> list:
     return [out[r] for r in range(grid.world_size)]
 
 
+class RankThreads:
+    """Every rank of `grid` as a thread of this process that lives from call to call, messages
+    copied on the device. Only for work that calls no autograd backward on CUDA (see above): the
+    ring's forward and backward functions called directly, as the benchmark does. A rank keeps its
+    thread, and with it what libraries keep per thread: cuDNN's attention graphs are, and a new
+    thread per call would rebuild them in every timed call."""
+
+    def __init__(self, grid: RankGrid):
+        self.grid, self.jobs = grid, [queue.Queue() for _ in range(grid.world_size)]
+        for rank in range(grid.world_size):
+            threading.Thread(target=self._serve, args=(rank,), daemon=True).start()
+
+    def _serve(self, rank: int) -> None:
+        for job in iter(self.jobs[rank].get, None):
+            job()
+
+    def run(self, fn, *args) -> list:
+        """fn(pgs, *args) on every rank; their results by rank (the first failure raised)."""
+        n = self.grid.world_size
+        queues, out, failed, done = [queue.Queue() for _ in range(n)], [None] * n, [], threading.Semaphore(0)
+
+        def job(rank):
+            try:
+                out[rank] = fn(loopback_groups(self.grid, rank, Mailbox(rank, queues, threads=True)), *args)
+            except BaseException as e:  # noqa: B036 -- handed to the caller below
+                failed.append(e)
+            finally:
+                done.release()
+
+        for rank in range(n):
+            self.jobs[rank].put(partial(job, rank))
+        for _ in range(n):
+            done.acquire()
+        if failed:
+            raise failed[0]
+        return out
+
+    def close(self) -> None:
+        for jobs in self.jobs:
+            jobs.put(None)
+
+
 def run_threads(fn, grid: RankGrid, *args) -> list:
-    """fn(pgs, *args) on every rank of `grid` as threads of this process, messages copied on the
-    device; their results by rank. Only for work that calls no autograd backward on CUDA (see
-    above): the ring's forward and backward functions called directly, as the benchmark does."""
-    queues = [queue.Queue() for _ in range(grid.world_size)]
-    out, failed = [None] * grid.world_size, []
-
-    def rank_main(rank):
-        try:
-            out[rank] = fn(loopback_groups(grid, rank, Mailbox(rank, queues, threads=True)), *args)
-        except BaseException as e:  # noqa: B036 -- handed to the caller below
-            failed.append(e)
-
-    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(grid.world_size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if failed:
-        raise failed[0]
-    return out
+    """fn(pgs, *args) once on every rank of `grid`, as threads (RankThreads); results by rank."""
+    threads = RankThreads(grid)
+    try:
+        return threads.run(fn, *args)
+    finally:
+        threads.close()

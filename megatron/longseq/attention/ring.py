@@ -365,7 +365,7 @@ def _route(documents, rc: RingContext, q_segment: int, k_segment: int) -> Option
     layer asks the same), or None for the plain ring."""
     if documents is None or rc.size == 1:
         return None
-    key = (q_segment, k_segment)
+    key = (q_segment, k_segment, rc.ring_index)  # a layout may serve every position of one process
     if key not in documents.routes:
         documents.routes[key] = Route(rc, documents.meeting(q_segment, k_segment))
     return documents.routes[key]

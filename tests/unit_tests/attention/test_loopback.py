@@ -11,7 +11,7 @@ from megatron.longseq.attention.context_parallel import ContextParallel
 from megatron.longseq.attention.core import AttentionInputs, LongSeqCoreAttention
 from megatron.longseq.attention.documents import lognormal_starts
 from megatron.longseq.attention.kernels import select_kernel
-from megatron.longseq.attention.loopback import run_group
+from megatron.longseq.attention.loopback import LoopbackGroup, Mailbox, RankThreads, run_group
 from megatron.longseq.attention.placement import local_token_indices
 from megatron.longseq.parallel_state import RankGrid
 from tests.unit_tests.attention.contract_kernel import ContractKernel
@@ -155,7 +155,8 @@ def attend_documents(pgs, mode, device, dtype, starts, d):
 def check_documents(mode, device, dtype, starts, d, atol_out, atol_grad, rtol=0.0):
     """Every rank's share against the float64 reference under the document mask; the varlen calls."""
     multiprocessing.set_forkserver_preload(PRELOAD)
-    ranks = run_group(attend_documents, grid_of(mode), mode, device, dtype, starts, d, start_method=start_method(device))
+    ranks = run_group(attend_documents, grid_of(mode), mode, device, dtype, starts, d,
+                      start_method=start_method(device))
     *_, heads, groups = MODES[mode]
     _, want = document_problem(heads, groups, starts, d=d)
     for idx, *got, _ in ranks:
@@ -178,3 +179,44 @@ def test_loopback_ranks_attend_packed_documents_on_the_gpu_through_varlen(mode):
     relative on gradients summed over long documents; every rank attends through the varlen kernel."""
     calls = check_documents(mode, "cuda", "bf16", packed_starts(2048, 2, 256.0), 64, 3e-2, 3e-2, rtol=2e-2)
     assert calls > 0, "no varlen kernel call"
+
+
+def _to_self():
+    """A group of one rank sending to itself, over the threads' transport."""
+    import queue
+
+    return LoopbackGroup("ring", [0], Mailbox(0, [queue.Queue()], threads=True))
+
+
+def test_the_transport_holds_calls_to_what_nccl_needs():
+    """A copy would deliver all of these; NCCL would hang or hand over other values."""
+    group, t = _to_self(), torch.arange(6.0)
+    for r in group.batch([(t, 0)], [(torch.empty(6), 0)]):
+        r.wait()  # as it should be
+    send, recv = group.batch([(t, 0)], [(torch.empty(6), 0)])
+    t.add_(1)  # NCCL may still be reading it
+    with pytest.raises(RuntimeError, match="written before its request was waited for"):
+        send.wait()
+    recv.wait()
+    for wrong in (torch.empty(6, dtype=torch.float64), torch.empty(7), torch.empty(12)[::2]):
+        group.batch([(t, 0)], [])[0].wait()
+        (recv,) = group.batch([], [(wrong, 0)])
+        with pytest.raises(RuntimeError, match="receives"):
+            recv.wait()
+    with pytest.raises(RuntimeError, match="non-contiguous"):
+        group.batch([(torch.empty(12)[::2], 0)], [])
+    with pytest.raises(RuntimeError, match="split sizes"):
+        group.all_to_all_single(torch.empty(6), t, [5], [6])
+
+
+def test_ranks_keep_their_threads_from_call_to_call():
+    """What libraries keep per thread (cuDNN's attention graphs) stays with a rank between the
+    timed calls of the ring benchmark; each rank has a thread of its own."""
+    import threading
+
+    threads = RankThreads(RankGrid(world_size=4, cp=4))
+    try:
+        first, again = (threads.run(lambda pgs: threading.get_ident()) for _ in range(2))
+    finally:
+        threads.close()
+    assert first == again and len(set(first)) == 4 and threading.get_ident() not in first

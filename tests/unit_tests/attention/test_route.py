@@ -98,3 +98,18 @@ def test_any_meeting_matrix_routes_every_block_to_its_readers_and_home(W, O):
             assert home == {x: x for x in range(R)}
             for x in range(R):
                 assert visits[x] == [j for j in schedule_order(W, O, x) if meets[j, x]]
+
+
+def test_a_layout_shared_by_ring_positions_keeps_a_route_for_each():
+    """The layout depends on the samples only, so positions in one process (the ring benchmark's
+    threads) may share it; a route is one position's view."""
+    from types import SimpleNamespace
+
+    from megatron.longseq.attention.documents import lognormal_starts
+    from megatron.longseq.attention.placement import DocumentLayout
+    from megatron.longseq.attention.ring import _route
+
+    layout = DocumentLayout(lognormal_starts(64, 6.0, 1.0, torch.Generator().manual_seed(0)).unsqueeze(0), 4)
+    rcs = [SimpleNamespace(ring_index=j, inner_size=4, outer_size=1, size=4) for j in range(4)]
+    routes = [_route(layout, rc, 0, 0) for rc in rcs]
+    assert [r.rc for r in routes] == rcs and _route(layout, rcs[1], 0, 0) is routes[1]
