@@ -20,11 +20,11 @@ REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "m
 
 
 def world_size_from_env() -> int:
-    """torchrun sets WORLD_SIZE; srun sets SLURM_NTASKS; a bare python run is one rank."""
-    for var in ("WORLD_SIZE", "SLURM_NTASKS"):
-        if os.environ.get(var):
-            return int(os.environ[var])
-    return 1
+    """The world the process group will have: start-up's own reading of the launcher (a plain
+    `python` inside an allocation that sets SLURM_NTASKS is still one rank)."""
+    from megatron.training.initialize import launch_env
+
+    return launch_env().world_size
 
 
 def _flag(name: str) -> str:
@@ -40,7 +40,7 @@ def validate_args(args: argparse.Namespace, world_size: int, errors: Sequence[st
     """Check `args` for a run of `world_size` ranks and fill in derived values. Raises ArgsError
     with every problem found, `errors` (the parser's) first, in one line."""
     errors = list(errors)
-    for check in (_required, _model_args, partial(_parallel_args, world_size=world_size), _batch_args,
+    for check in (_required, _ranges, _model_args, partial(_parallel_args, world_size=world_size), _batch_args,
                   _precision_args, _overlap_args, _pipeline_args, _schedule_args, _recompute_args, _memo_args,
                   _data_args, _rerun_args, _checkpoint_args, partial(_profile_args, world_size=world_size)):
         try:
@@ -59,6 +59,29 @@ def validate_args(args: argparse.Namespace, world_size: int, errors: Sequence[st
 def _required(args):
     missing = [_flag(name) for name in REQUIRED if getattr(args, name) is None]
     _require(not missing, f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required")
+
+
+# Values outside these ranges pass argparse and fail later, some after the process group is up.
+POSITIVE = ("num_query_groups", "kv_channels", "ffn_hidden_size", "rotary_base", "adam_eps",
+            "make_vocab_size_divisible_by", "distributed_timeout_minutes", "tensorboard_log_interval")
+NON_NEGATIVE = ("init_method_std", "weight_decay", "seed")
+BELOW_ONE = ("adam_beta1", "adam_beta2")  # in [0, 1)
+
+
+def _ranges(args):
+    """Every value out of its range at once (None: unset, derived later)."""
+    bad = [f"{_flag(n)} must be positive, got {getattr(args, n)}" for n in POSITIVE if _out(args, n, lambda x: x > 0)]
+    bad += [f"{_flag(n)} must be >= 0, got {getattr(args, n)}" for n in NON_NEGATIVE if _out(args, n, lambda x: x >= 0)]
+    bad += [f"{_flag(n)} must be in [0, 1), got {getattr(args, n)}" for n in BELOW_ONE
+            if _out(args, n, lambda x: 0 <= x < 1)]
+    if _out(args, "rotary_percent", lambda x: 0 < x <= 1):
+        bad.append(f"--rotary-percent must be in (0, 1], got {args.rotary_percent}")
+    _require(not bad, "; ".join(bad))
+
+
+def _out(args, name: str, ok) -> bool:
+    value = getattr(args, name, None)
+    return value is not None and not ok(value)
 
 
 def _model_args(args):
@@ -128,6 +151,8 @@ def _parallel_args(args, world_size):
     _require(args.num_query_groups % tp == 0,
              f"number of query groups {args.num_query_groups} is not divisible by "
              f"--tensor-model-parallel-size {tp}")
+    _require(args.ffn_hidden_size % tp == 0,
+             f"--ffn-hidden-size {args.ffn_hidden_size} is not divisible by --tensor-model-parallel-size {tp}")
     _context_parallel_args(args, cp, tp)
     cuda = torch.cuda.is_available()
     if args.distributed_backend is None:
@@ -505,6 +530,8 @@ def _checkpoint_args(args):
     _require(converting == (args.ckpt_convert_save is not None),
              "--ckpt-convert-format and --ckpt-convert-save go together")
     _require(not converting or args.load is not None, "--ckpt-convert-format needs --load")
+    # converting nothing would write a random initialisation as "the converted checkpoint"
+    _require(not converting or os.path.isdir(args.load), f"--ckpt-convert-format: no checkpoint directory {args.load}")
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:

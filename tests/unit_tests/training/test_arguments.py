@@ -142,6 +142,23 @@ def test_padded_vocab_matches_megatron():
     ("--verify-integrity --ckpt-format torch", 1, "--verify-integrity needs --ckpt-format torch_dist"),
     ("--position-embedding-type rope --rotary-percent 0.1", 1, "rotary dim = kv channels 16 x --rotary-percent 0.1 = 1"),
     ("--hidden-dropout 1.0", 1, "--hidden-dropout must be in [0, 1)"),
+    # each of these used to pass and fail later, most after the process group was up
+    ("--group-query-attention --num-query-groups 0", 1, "--num-query-groups must be positive, got 0"),
+    ("--kv-channels 0 --ffn-hidden-size -1", 1,
+     "--kv-channels must be positive, got 0; --ffn-hidden-size must be positive, got -1"),  # all at once
+    ("--position-embedding-type rope --rotary-percent 2", 1, "--rotary-percent must be in (0, 1], got 2.0"),
+    ("--rotary-base 0", 1, "--rotary-base must be positive, got 0"),
+    ("--adam-beta1 1.5 --adam-eps -1 --weight-decay -1 --init-method-std -1", 1,
+     "--adam-eps must be positive, got -1.0; --init-method-std must be >= 0, got -1.0; --weight-decay must be >= 0, "
+     "got -1.0; --adam-beta1 must be in [0, 1), got 1.5"),
+    ("--seed -1 --make-vocab-size-divisible-by 0", 1,
+     "--make-vocab-size-divisible-by must be positive, got 0; --seed must be >= 0, got -1"),
+    ("--distributed-timeout-minutes 0 --tensorboard-log-interval 0", 1,
+     "--distributed-timeout-minutes must be positive, got 0; --tensorboard-log-interval must be positive, got 0"),
+    ("--tensor-model-parallel-size 2 --ffn-hidden-size 65", 2,
+     "--ffn-hidden-size 65 is not divisible by --tensor-model-parallel-size 2"),
+    ("--ckpt-convert-format torch --ckpt-convert-save x --load /no/such/checkpoint", 1,
+     "--ckpt-convert-format: no checkpoint directory /no/such/checkpoint"),
     ("--data-path /nonexistent/corpus", 1, "give exactly one of --mock-data, --passkey-data and --data-path"),
     ("--memo --hidden-dropout 0 --memo-swap-fraction 1.5", 1, "--memo-swap-fraction must be in [0, 1], got 1.5"),
     ("--memo --hidden-dropout 0 --memo-swap-fraction half", 1, "--memo-swap-fraction must be 'auto' or a number"),
@@ -309,3 +326,17 @@ def test_transformer_engine_layers_need_transformer_engine(monkeypatch):
                         else real(name, *a))
     message = error_of("--transformer-impl transformer_engine")
     assert "--transformer-impl transformer_engine needs Transformer Engine installed" in message
+
+
+@pytest.mark.parametrize("env, world", [({"SLURM_NTASKS": "4"}, 1),  # a plain python inside an allocation
+                                        ({"SLURM_NTASKS": "4", "SLURM_PROCID": "2"}, 4),  # srun
+                                        ({"RANK": "0", "WORLD_SIZE": "2", "SLURM_NTASKS": "4"}, 2)])  # torchrun
+def test_validation_counts_the_ranks_start_up_will_have(monkeypatch, env, world):
+    """Validation's world (batch arithmetic, the grid) is the one the process group is made with."""
+    from megatron.training.validate import world_size_from_env
+
+    for var in ("RANK", "WORLD_SIZE", "SLURM_NTASKS", "SLURM_PROCID"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    assert world_size_from_env() == world
