@@ -399,17 +399,24 @@ def _report_saved(start: float, iteration: int, path: str) -> None:
 
 
 def check_load(args, pgs) -> None:
-    """--load's recorded model against this run's flags, before anything is built: a format or a
-    model that contradicts them (hidden size, heads, vocabulary, ...) is one line at start-up."""
+    """Collective: --load's recorded model against this run's flags, before anything is built: a
+    format or a model that contradicts them (hidden size, heads, vocabulary, ...) is one line at
+    start-up. Every rank reads its own files (a torch-format checkpoint's mp_rank_* of its own), so
+    the ranks agree: one rank's problem stops all of them, and rank 0 prints it."""
+    error = ""
     try:
         same_tracker_everywhere(args.load)
         path = latest_checkpoint(args.load)
-        if path is None:
-            return
-        sharded = checkpoint_format(path, args) == "torch_dist"
-        check_args(dist_ckpt.recorded_args(path) if sharded else recorded_args(path, pgs), args)
+        if path is not None:
+            sharded = checkpoint_format(path, args) == "torch_dist"
+            check_args(dist_ckpt.recorded_args(path) if sharded else recorded_args(path, pgs), args)
     except ValueError as err:
-        raise ArgsError(f"--load {args.load}: {err}") from None
+        error = f"--load {args.load}: {err}"
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    rank, first = next(((r, e) for r, e in enumerate(errors) if e), (0, ""))
+    if first:
+        raise ArgsError(first if rank == 0 else f"rank {rank}: {first}")
 
 
 def load_and_report(args, state, pgs) -> None:

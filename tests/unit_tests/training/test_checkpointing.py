@@ -122,6 +122,33 @@ def _check_ranks_agree_on_the_tracker(root):
         check_load(args, pgs)
 
 
+def _one_rank_cannot_read_its_files(root):
+    import torch.distributed as dist
+    from megatron.training import training
+    from megatron.training.arguments import ArgsError
+    from tests.unit_tests.dist_utils import grid_groups
+
+    args, pgs = tiny_args(f"--load {root}", world_size=2), grid_groups()
+    training.same_tracker_everywhere = lambda root: None
+    training.latest_checkpoint = lambda root: os.path.join(root, "iter_0000007")
+    training.checkpoint_format = lambda path, args: "torch"
+
+    def recorded(path, pgs):  # a torch-format checkpoint whose second tp file is missing
+        if dist.get_rank() == 1:
+            raise ValueError(f"{path} has no mp_rank_01/model_optim_rng.pt")
+        return args
+    training.recorded_args, training.check_args = recorded, lambda recorded, args: None
+    with pytest.raises(ArgsError, match=r"^rank 1: --load .*: .* has no mp_rank_01/model_optim_rng.pt$"):
+        training.check_load(args, pgs)  # on rank 0 too, which read its own file
+
+
+def test_a_problem_one_rank_finds_under_load_stops_every_rank_with_its_reason(tmp_path):
+    """Rank 0, which prints the one line, must not go on to fail later for another reason."""
+    from tests.unit_tests.dist_utils import run_ranks
+
+    run_ranks(_one_rank_cannot_read_its_files, 2, str(tmp_path))
+
+
 def test_ranks_that_read_different_trackers_stop_before_loading(tmp_path):
     """Every rank reads the tracker itself; a rank shown an older copy by a shared file system
     would load another checkpoint than the rest: a one-line error on every rank instead."""
