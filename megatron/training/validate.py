@@ -462,12 +462,30 @@ def _data_args(args):
         _require(args.tokenizer_model is not None and os.path.isdir(args.tokenizer_model),
                  f"--tokenizer-model must be a local directory for HuggingFaceTokenizer, got "
                  f"{args.tokenizer_model} (nothing is downloaded at run time)")
+        _require(any(os.path.isfile(os.path.join(args.tokenizer_model, f)) for f in HF_TOKENIZER_FILES),
+                 f"--tokenizer-model {args.tokenizer_model} holds no tokenizer ({', '.join(HF_TOKENIZER_FILES)})")
     if args.tokenizer_type == "GPT2BPETokenizer":
         for name in ("vocab_file", "merge_file"):
             path = getattr(args, name)
             _require(path is not None and os.path.isfile(path),
                      f"GPT2BPETokenizer needs {_flag(name)} pointing at a local file, got {path}")
     _require(args.num_workers >= 0, "--num-workers must be >= 0")
+    unwritable = [f"{_flag(n)} {getattr(args, n)}" for n in ("save", "tensorboard_dir", "data_cache_path")
+                  if getattr(args, n, None) and not _writable(getattr(args, n))]
+    _require(not unwritable, f"cannot create or write {', '.join(unwritable)}")
+
+
+# the files transformers' AutoTokenizer builds a tokenizer from (one is enough)
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
+
+
+def _writable(path: str) -> bool:
+    """Whether a directory can be made at `path` (or is there) and written: its nearest existing
+    ancestor is a writable directory. Found now, not at the first save after hours of training."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)
 
 
 def _check_splits(args):
@@ -484,7 +502,10 @@ def _check_splits(args):
         raise ArgsError(f"--split {args.split!r}: expected up to three non-negative weights like '969,30,1'") from None
     needed = {0: "train", 1: "validation", 2: "test"} if args.eval_iters > 0 else {0: "train"}
     for prefix in data_prefixes(args.data_path):
-        num_docs = IndexedDataset(prefix).document_indices.shape[0] - 1
+        try:
+            num_docs = IndexedDataset(prefix).document_indices.shape[0] - 1
+        except (AssertionError, OSError, ValueError) as err:  # megatron-core asserts on a bad header
+            raise ArgsError(f"--data-path: {prefix}.idx/.bin is not an indexed dataset ({err})") from None
         for i, name in needed.items():
             if matrix[i] is None:
                 _require(i > 0, f"--split {args.split!r} gives the train split no weight")

@@ -230,6 +230,24 @@ def test_tokenizer_files_must_be_local(tmp_path):
     assert message.startswith("GPT2BPETokenizer needs --vocab-file pointing at a local file")
     message = error_of("--tokenizer-type HuggingFaceTokenizer --tokenizer-model gpt2", base=base)
     assert "must be a local directory" in message
+    message = error_of(f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {tmp_path}", base=base)
+    assert message.startswith(f"--tokenizer-model {tmp_path} holds no tokenizer (tokenizer.json, ")
+
+
+def test_a_corrupt_index_is_one_line(tmp_path):
+    base = [a for a in BASE if a != "--mock-data"]
+    for ext in ("bin", "idx"):
+        (tmp_path / f"corpus.{ext}").write_bytes(b"not an index")
+    message = error_of(f"--data-path {tmp_path}/corpus", base=base)
+    assert message.startswith(f"--data-path: {tmp_path}/corpus.idx/.bin is not an indexed dataset (")
+
+
+def test_output_directories_are_checked_before_any_work(tmp_path):
+    """A --save under a file would fail at the first save, after the training it was to keep."""
+    (tmp_path / "file").write_text("")
+    args_for(f"--save {tmp_path}/new/ckpt --tensorboard-dir {tmp_path}/tb")  # to be made: fine
+    message = error_of(f"--save {tmp_path}/file/ckpt --tensorboard-dir {tmp_path}/file/tb --data-cache-path {tmp_path}")
+    assert message == f"cannot create or write --save {tmp_path}/file/ckpt, --tensorboard-dir {tmp_path}/file/tb"
 
 
 def test_no_op_compatibility_flags_are_accepted():
