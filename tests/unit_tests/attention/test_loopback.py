@@ -14,7 +14,7 @@ from megatron.longseq.attention.kernels import select_kernel
 from megatron.longseq.attention.loopback import LoopbackGroup, Mailbox, RankThreads, run_group
 from megatron.longseq.attention.placement import local_token_indices
 from megatron.longseq.parallel_state import RankGrid
-from tests.unit_tests.attention.contract_kernel import ContractKernel
+from tests.unit_tests.attention.contract_kernel import ContractKernel, install_flash_varlen_stand_ins
 from tests.unit_tests.attention.test_context_parallel import full_problem
 from tests.unit_tests.attention.test_core_attention import config
 from tests.unit_tests.attention.test_documents import document_problem, per_sample
@@ -142,8 +142,10 @@ def attend_documents(pgs, mode, device, dtype, starts, d):
     idx = [local_token_indices(starts.shape[1], cp.hp_size, cp.ring.size, cp.hp_index, cp.ring.ring_index,
                                starts[b]) for b in range(starts.shape[0])]
     attn = LongSeqCoreAttention(config(heads, groups, d=d), layer_number=1, attn_mask_type=None, cp=cp).to(device)
-    attn._kernel = kernel = ContractKernel() if device == "cpu" else select_kernel("auto", torch.device(device),
-                                                                                   DTYPES[dtype], d)
+    if device == "cpu":  # the varlen entry as torch's CUDA flash kernel is called (this rank's process only)
+        install_flash_varlen_stand_ins(setattr)
+    attn._kernel = kernel = ContractKernel(varlen=True) if device == "cpu" else select_kernel(
+        "auto", torch.device(device), DTYPES[dtype], d)
     calls = counted(kernel)
     leaves = [per_sample(x, idx, 0).to(device, DTYPES[dtype]).requires_grad_() for x in (q, k, v)]
     params = AttentionInputs(position_ids=per_sample(positions.t(), idx, 0).t().to(device), document_starts=starts)
@@ -168,7 +170,8 @@ def check_documents(mode, device, dtype, starts, d, atol_out, atol_grad, rtol=0.
 
 @pytest.mark.parametrize("mode", ["ring2", "2d-2x2"])
 def test_loopback_ranks_attend_packed_documents_on_cpu(mode):
-    check_documents(mode, "cpu", "fp32", packed_starts(32, 2, 6.0), 8, *ATOL[32])
+    """Through the varlen entry, as on the GPU (stand-ins of torch's flash varlen ops)."""
+    assert check_documents(mode, "cpu", "fp32", packed_starts(32, 2, 6.0), 8, *ATOL[32]) > 0, "no varlen call"
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
