@@ -11,8 +11,8 @@ at segment j's backward (every later one's is over), and the last segment's are 
 The gradients are fp32, as the ring's accumulators are: a sum over up to k - 1 later segments,
 each added once, rounded once when segment j's backward casts its dK/dV to the keys' dtype. In a
 bf16 run they take twice the bytes of the kept keys and values (for a 7B-shaped stage of 8 layers,
-32K tokens and k = 4, about 6 GiB); `held_bytes` counts them, with the keys and values kept as
-copies of their own, for the pipeline's memory line: autograd's saved tensors do not include them.
+32K tokens and k = 4, about 6 GiB); `held_bytes` counts them, with the keys and values kept where
+autograd keeps nothing, for the pipeline's memory line: autograd's saved tensors do not include them.
 """
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ class SegmentState:
         self.segments = segments  # how many the micro-batch has (0: not said, every one is kept)
         self.kv: Dict[int, List[Optional[Tuple[torch.Tensor, torch.Tensor]]]] = defaultdict(list)
         self.grads: Dict[Tuple[int, int], torch.Tensor] = {}
-        self.copies: Dict[Tuple[int, int], int] = {}  # (layer, segment) -> bytes of keys and values copied
+        # (layer, segment) -> bytes of keys and values only this state holds (kept with `own`)
+        self.copies: Dict[Tuple[int, int], int] = {}
 
     def release(self) -> None:
         self.kv.clear()
@@ -36,7 +37,8 @@ class SegmentState:
         self.copies.clear()
 
     def held_bytes(self) -> int:
-        """What this state holds beyond autograd's saved tensors: the gradients and the copies."""
+        """What this state holds beyond autograd's saved tensors: the gradients, and the keys and
+        values kept where autograd keeps nothing (recompute, MEMO)."""
         return sum(_nbytes(g) for g in self.grads.values()) + sum(self.copies.values())
 
 
