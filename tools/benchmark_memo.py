@@ -91,6 +91,8 @@ def bandwidth_table() -> None:
     from megatron.longseq.memo.profiler import copy_rate
     from megatron.longseq.memo.streams import host_empty
 
+    if not torch.cuda.is_available():
+        sys.exit("benchmark_memo.py --bandwidth: pinned copies are measured to and from a CUDA device; none is visible")
     dev = torch.device("cuda", 0)
     print(f"device: {torch.cuda.get_device_name(dev)} | date: {datetime.date.today()}")
     print("| bytes per copy | host to device GB/s | device to host GB/s |")
