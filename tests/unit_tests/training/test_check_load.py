@@ -1,0 +1,88 @@
+"""--load checked at start-up, before anything is built: the recorded model against the run's
+flags, the format, and agreement between ranks (each reads its own tracker and files)."""
+import os
+
+import pytest
+import torch
+
+from megatron.training import checkpointing
+from megatron.training.checkpointing import save_checkpoint
+from tests.unit_tests.model_utils import tiny_args
+from tests.unit_tests.training.test_checkpointing import make_state
+
+
+def _check_ranks_agree_on_the_tracker(root):
+    import torch.distributed as dist
+    from megatron.training.arguments import ArgsError
+    from megatron.training.training import check_load
+    from tests.unit_tests.dist_utils import grid_groups
+
+    args, pgs = tiny_args(f"--load {root}", world_size=2), grid_groups()
+    # this rank's process only: two nodes' views of one tracker file
+    checkpointing.read_tracker = lambda _: checkpointing.RELEASE if dist.get_rank() == 0 else 7
+    with pytest.raises(ArgsError, match=r"the ranks read different checkpoints from .* \(release, 7\)"):
+        check_load(args, pgs)
+
+
+def _one_rank_cannot_read_its_files(root):
+    import torch.distributed as dist
+    from megatron.training import training
+    from megatron.training.arguments import ArgsError
+    from tests.unit_tests.dist_utils import grid_groups
+
+    args, pgs = tiny_args(f"--load {root}", world_size=2), grid_groups()
+    training.same_tracker_everywhere = lambda root: None
+    training.latest_checkpoint = lambda root: os.path.join(root, "iter_0000007")
+    training.checkpoint_format = lambda path, args: "torch"
+
+    def recorded(path, pgs):  # a torch-format checkpoint whose second tp file is missing
+        if dist.get_rank() == 1:
+            raise ValueError(f"{path} has no mp_rank_01/model_optim_rng.pt")
+        return args
+    training.recorded_args, training.check_args = recorded, lambda recorded, args: None
+    with pytest.raises(ArgsError, match=r"^rank 1: --load .*: .* has no mp_rank_01/model_optim_rng.pt$"):
+        training.check_load(args, pgs)  # on rank 0 too, which read its own file
+
+
+def test_a_problem_one_rank_finds_under_load_stops_every_rank_with_its_reason(tmp_path):
+    """Rank 0, which prints the one line, must not go on to fail later for another reason."""
+    from tests.unit_tests.dist_utils import run_ranks
+
+    run_ranks(_one_rank_cannot_read_its_files, 2, str(tmp_path))
+
+
+def test_ranks_that_read_different_trackers_stop_before_loading(tmp_path):
+    """Every rank reads the tracker itself; a rank shown an older copy by a shared file system
+    would load another checkpoint than the rest: a one-line error on every rank instead."""
+    from tests.unit_tests.dist_utils import run_ranks
+
+    run_ranks(_check_ranks_agree_on_the_tracker, 2, str(tmp_path))
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_a_contradicting_model_is_one_line_before_anything_is_built(tmp_path, fmt):
+    """pretrain checks --load's recorded model before building its own (check_load needs no
+    model): a contradiction or a format mismatch is an ArgsError, one line, exit 2."""
+    from megatron.training.arguments import ArgsError
+    from megatron.training.dist_ckpt import CheckpointSaver
+    from megatron.training.training import check_load
+
+    args, pgs, state = make_state(tmp_path, f"--ckpt-format {fmt}")
+    if fmt == "torch_dist":
+        saver = CheckpointSaver(args, pgs, torch.device("cpu"))
+        saver.save(state)
+        saver.finish(blocking=True)
+    else:
+        save_checkpoint(args, state, pgs)
+    check_load(args, pgs)  # the same model passes
+    other = tiny_args(f"--load {tmp_path} --ckpt-format {fmt} --ffn-hidden-size 128")
+    with pytest.raises(ArgsError, match=f"--load {tmp_path}: checkpoint has ffn_hidden_size=256 but this run has 128"):
+        check_load(other, pgs)
+    flipped = "torch" if fmt == "torch_dist" else "torch_dist"
+    with pytest.raises(ArgsError, match=f"is a {fmt}-format checkpoint but --ckpt-format is {flipped}"):
+        check_load(tiny_args(f"--load {tmp_path} --ckpt-format {flipped}"), pgs)
+    if fmt == "torch":  # saved under another layout: this rank's file is not there
+        path = checkpointing.latest_checkpoint(str(tmp_path))
+        os.rename(os.path.join(path, "mp_rank_00"), os.path.join(path, "mp_rank_01"))
+        with pytest.raises(ArgsError, match="has no mp_rank_00/model_optim_rng.pt: a torch-format checkpoint loads"):
+            check_load(args, pgs)
