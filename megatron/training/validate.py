@@ -62,20 +62,19 @@ def _required(args):
 
 
 # Values outside these ranges pass argparse and fail later, some after the process group is up.
-POSITIVE = ("num_query_groups", "kv_channels", "ffn_hidden_size", "rotary_base", "adam_eps",
-            "make_vocab_size_divisible_by", "distributed_timeout_minutes", "tensorboard_log_interval")
-NON_NEGATIVE = ("init_method_std", "weight_decay", "seed")
-BELOW_ONE = ("adam_beta1", "adam_beta2")  # in [0, 1)
+RANGES = (
+    (("num_query_groups", "kv_channels", "ffn_hidden_size", "rotary_base", "adam_eps", "make_vocab_size_divisible_by",
+      "distributed_timeout_minutes", "tensorboard_log_interval"), lambda x: x > 0, "must be positive"),
+    (("init_method_std", "weight_decay", "seed"), lambda x: x >= 0, "must be >= 0"),
+    (("adam_beta1", "adam_beta2"), lambda x: 0 <= x < 1, "must be in [0, 1)"),
+    (("rotary_percent",), lambda x: 0 < x <= 1, "must be in (0, 1]"),
+)
 
 
 def _ranges(args):
     """Every value out of its range at once (None: unset, derived later)."""
-    bad = [f"{_flag(n)} must be positive, got {getattr(args, n)}" for n in POSITIVE if _out(args, n, lambda x: x > 0)]
-    bad += [f"{_flag(n)} must be >= 0, got {getattr(args, n)}" for n in NON_NEGATIVE if _out(args, n, lambda x: x >= 0)]
-    bad += [f"{_flag(n)} must be in [0, 1), got {getattr(args, n)}" for n in BELOW_ONE
-            if _out(args, n, lambda x: 0 <= x < 1)]
-    if _out(args, "rotary_percent", lambda x: 0 < x <= 1):
-        bad.append(f"--rotary-percent must be in (0, 1], got {args.rotary_percent}")
+    bad = [f"{_flag(n)} {rule}, got {getattr(args, n)}"
+           for names, ok, rule in RANGES for n in names if _out(args, n, ok)]
     _require(not bad, "; ".join(bad))
 
 

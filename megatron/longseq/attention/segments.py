@@ -39,7 +39,7 @@ class SegmentState:
     def held_bytes(self) -> int:
         """What this state holds beyond autograd's saved tensors: the gradients, and the keys and
         values kept where autograd keeps nothing (recompute, MEMO)."""
-        return sum(_nbytes(g) for g in self.grads.values()) + sum(self.copies.values())
+        return sum(g.nbytes for g in self.grads.values()) + sum(self.copies.values())
 
 
 @dataclass
@@ -65,7 +65,7 @@ class SegmentSlot:
         if len(kept) == self.index:  # a recompute of this segment finds it kept already
             kept.append((_own(k), _own(v)) if own else (k, v))
             if own:
-                self.state.copies[(layer, self.index)] = sum(_nbytes(x) for x in kept[-1])
+                self.state.copies[(layer, self.index)] = sum(x.nbytes for x in kept[-1])
 
     def add_grad(self, layer: int, segment: int, dkv: torch.Tensor) -> None:
         """Add a later segment's dK/dV (fp32, [2, b, g, s_j, d]) of segment `segment`'s keys and
@@ -87,10 +87,6 @@ class SegmentSlot:
         elif self.index < len(kept):
             kept[self.index] = None
         return grad
-
-
-def _nbytes(x: torch.Tensor) -> int:
-    return x.numel() * x.element_size()
 
 
 def _own(x: torch.Tensor) -> torch.Tensor:
