@@ -25,8 +25,8 @@ class _Parser(argparse.ArgumentParser):
 # Megatron flags this trainer does not implement (yet), with the reason the user sees.
 UNSUPPORTED = {
     "--use-legacy-models": "only megatron-core models are supported",
-    "--tp-comm-overlap": "TP communication overlap needs Transformer Engine userbuffers; not implemented",
-    "--tp-comm-overlap-cfg": "TP communication overlap needs Transformer Engine userbuffers; not implemented",
+    "--tp-comm-overlap": "TP communication overlap needs Transformer Engine userbuffers, not implemented here",
+    "--tp-comm-overlap-cfg": "TP communication overlap needs Transformer Engine userbuffers, not implemented here",
     "--overlap-param-gather-with-optimizer-step": "the all-gather is overlapped with the next forward "
                                                   "(--overlap-param-gather), not with the optimizer step",
     "--apply-wd-to-qk-layernorm": "weight decay is never applied to norm weights (1-D parameters)",
@@ -47,7 +47,7 @@ STRICTNESS = ["assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpe
 # prefix (ending in "-"), with the reason the user sees.
 _MOE = "mixture-of-experts models are outside this project's scope"
 _MLA = "multi-latent attention is outside this project's scope"
-_FSDP = "FSDP is not implemented; use --use-distributed-optimizer"
+_FSDP = "FSDP is not implemented (use --use-distributed-optimizer)"
 OUT_OF_SCOPE = {
     "--num-experts": _MOE, "--moe-": _MOE, "--expert-": _MOE,
     "--linear-": "linear attention (hybrid models) is outside this project's scope",
@@ -60,7 +60,7 @@ OUT_OF_SCOPE = {
     "--fp8-": "FP8 training is not implemented", "--fp8-format": "FP8 training is not implemented",
     "--use-torch-fsdp2": _FSDP, "--use-megatron-fsdp": _FSDP, "--megatron-fsdp-": _FSDP,
     "--data-parallel-sharding-strategy": _FSDP,
-    "--wandb-": "Weights & Biases logging is not implemented; use --tensorboard-dir",
+    "--wandb-": "Weights & Biases logging is not implemented (use --tensorboard-dir)",
     "--fim-": "fill-in-the-middle data is not implemented",
     "--use-mup": "muP is not implemented", "--mup-": "muP is not implemented",
     "--export-": "model export is not implemented",

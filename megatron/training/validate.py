@@ -15,6 +15,7 @@ from megatron.longseq.attention.placement import split_heads
 from megatron.longseq.parallel_state import GridError, RankGrid
 from megatron.longseq.pipeline import partition, plan
 from megatron.training.arguments import ArgsError
+from megatron.training.problems import collecting, flag, guard, require
 
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "lr")
 
@@ -27,38 +28,34 @@ def world_size_from_env() -> int:
     return launch_env().world_size
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _require(cond: bool, message: str) -> None:
-    if not cond:
-        raise ArgsError(message)
-
-
 def validate_args(args: argparse.Namespace, world_size: int, errors: Sequence[str] = ()) -> argparse.Namespace:
     """Check `args` for a run of `world_size` ranks and fill in derived values. Raises ArgsError
     with every problem found, `errors` (the parser's) first, in one line."""
     errors = list(errors)
-    for check in (_required, _ranges, _model_args, partial(_parallel_args, world_size=world_size), _batch_args,
-                  _precision_args, _overlap_args, _pipeline_args, _schedule_args, _recompute_args, _memo_args,
-                  _data_args, _rerun_args, _checkpoint_args, partial(_profile_args, world_size=world_size)):
-        try:
-            check(args)
-        except ArgsError as err:  # the first problem of each group of flags
-            errors.append(str(err))
-        except (TypeError, AttributeError, ValueError, ZeroDivisionError):
-            if not errors:
-                raise
-            # a value an earlier problem left unset or invalid: that problem is already reported
+    with collecting(errors):
+        for check in (_required, _ranges, _model_args, partial(_parallel_args, world_size=world_size), _batch_args,
+                      _precision_args, _overlap_args, _pipeline_args, _schedule_args, _recompute_args, _memo_args,
+                      _data_args, _rerun_args, _checkpoint_args, partial(_profile_args, world_size=world_size)):
+            _run_check(check, args, errors)
     if errors:
         raise ArgsError("; ".join(dict.fromkeys(errors)))
     return args
 
 
+def _run_check(check, args, errors: list) -> None:
+    try:
+        check(args)
+    except ArgsError as err:  # a guard stopped this check
+        errors.append(str(err))
+    except (TypeError, AttributeError, ValueError, ZeroDivisionError):
+        if not errors:
+            raise
+        # a value an earlier problem left unset or invalid: that problem is already reported
+
+
 def _required(args):
-    missing = [_flag(name) for name in REQUIRED if getattr(args, name) is None]
-    _require(not missing, f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required")
+    missing = [flag(name) for name in REQUIRED if getattr(args, name) is None]
+    guard(not missing, f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required")
 
 
 # Values outside these ranges pass argparse and fail later, some after the process group is up.
@@ -73,9 +70,9 @@ RANGES = (
 
 def _ranges(args):
     """Every value out of its range at once (None: unset, derived later)."""
-    bad = [f"{_flag(n)} {rule}, got {getattr(args, n)}"
+    bad = [f"{flag(n)} {rule}, got {getattr(args, n)}"
            for names, ok, rule in RANGES for n in names if _out(args, n, ok)]
-    _require(not bad, "; ".join(bad))
+    require(not bad, "; ".join(bad))
 
 
 def _out(args, name: str, ok) -> bool:
@@ -84,18 +81,18 @@ def _out(args, name: str, ok) -> bool:
 
 
 def _model_args(args):
-    _require(args.num_layers > 0 and args.hidden_size > 0 and args.num_attention_heads > 0,
-             "--num-layers, --hidden-size and --num-attention-heads must be positive")
+    guard(args.num_layers > 0 and args.hidden_size > 0 and args.num_attention_heads > 0,
+          "--num-layers, --hidden-size and --num-attention-heads must be positive")
     if args.kv_channels is None:
-        _require(args.hidden_size % args.num_attention_heads == 0,
-                 f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
-                 f"{args.num_attention_heads} (or pass --kv-channels)")
+        guard(args.hidden_size % args.num_attention_heads == 0,
+              f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+              f"{args.num_attention_heads} (or pass --kv-channels)")
         args.kv_channels = args.hidden_size // args.num_attention_heads
     if not args.group_query_attention:
         args.num_query_groups = args.num_attention_heads
-    _require(args.num_attention_heads % args.num_query_groups == 0,
-             f"--num-attention-heads {args.num_attention_heads} is not divisible by "
-             f"--num-query-groups {args.num_query_groups}")
+    require(args.num_attention_heads % args.num_query_groups == 0,
+            f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+            f"--num-query-groups {args.num_query_groups}")
     if args.ffn_hidden_size is None:
         # Megatron: 4h, or for SwiGLU 2/3 of that rounded down to a multiple of 64.
         args.ffn_hidden_size = 4 * args.hidden_size
@@ -103,20 +100,20 @@ def _model_args(args):
             args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
-    _require(args.seq_length <= args.max_position_embeddings,
-             f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
-             f"{args.max_position_embeddings}")
+    require(args.seq_length <= args.max_position_embeddings,
+            f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
+            f"{args.max_position_embeddings}")
     if args.position_embedding_type == "rope":
         rot = int(args.kv_channels * args.rotary_percent)
-        _require(rot > 0 and rot % 2 == 0,
-                 f"rotary dim = kv channels {args.kv_channels} x --rotary-percent "
-                 f"{args.rotary_percent} = {rot} must be a positive even number")
+        require(rot > 0 and rot % 2 == 0,
+                f"rotary dim = kv channels {args.kv_channels} x --rotary-percent "
+                f"{args.rotary_percent} = {rot} must be a positive even number")
     _check_rope_scaling(args)
     for name in ("hidden_dropout", "attention_dropout"):
-        _require(0.0 <= getattr(args, name) < 1.0, f"{_flag(name)} must be in [0, 1)")
+        require(0.0 <= getattr(args, name) < 1.0, f"{flag(name)} must be in [0, 1)")
     if args.tokenizer_type == "NullTokenizer":
-        _require(args.vocab_size is not None and args.vocab_size > 0,
-                 "--tokenizer-type NullTokenizer needs --vocab-size")
+        require(args.vocab_size is not None and args.vocab_size > 0,
+                "--tokenizer-type NullTokenizer needs --vocab-size")
 
 
 def _check_rope_scaling(args):
@@ -124,17 +121,18 @@ def _check_rope_scaling(args):
     llama3, yarn = args.use_rope_scaling, args.rope_type == "yarn"
     interpolation = args.rotary_seq_len_interpolation_factor
     if llama3 or yarn or interpolation is not None:
-        _require(args.position_embedding_type == "rope", "RoPE scaling needs --position-embedding-type rope")
-    _require(not (llama3 and yarn), "--use-rope-scaling (llama3) and --rope-type yarn are two scalings; pick one")
+        require(args.position_embedding_type == "rope", "RoPE scaling needs --position-embedding-type rope")
+    require(not (llama3 and yarn), "--use-rope-scaling (llama3) and --rope-type yarn are two scalings: pick one")
     for name, on in (("rope_scaling_factor", llama3), ("rotary_scaling_factor", yarn),
                      ("rotary_seq_len_interpolation_factor", interpolation is not None)):
-        _require(not on or getattr(args, name) >= 1, f"{_flag(name)} must be >= 1, got {getattr(args, name)}")
+        require(not on or getattr(args, name) >= 1, f"{flag(name)} must be >= 1, got {getattr(args, name)}")
     orig = args.original_max_position_embeddings
-    _require(orig is None or orig > 0, f"--original-max-position-embeddings must be positive, got {orig}")
+    require(orig is None or orig > 0, f"--original-max-position-embeddings must be positive, got {orig}")
 
 
 def _parallel_args(args, world_size):
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    _device_args(args)  # first: later checks of every group read the device
     args.head_parallel_size, args.ring_size = _cp_split(args, cp)
     try:
         grid = RankGrid(world_size=world_size, tp=tp, pp=pp, cp=cp, hp=args.head_parallel_size,
@@ -144,40 +142,46 @@ def _parallel_args(args, world_size):
         raise ArgsError(str(err)) from None
     args.world_size = world_size
     args.data_parallel_size = grid.dp
-    _require(args.num_attention_heads % tp == 0,
-             f"--num-attention-heads {args.num_attention_heads} is not divisible by "
-             f"--tensor-model-parallel-size {tp}")
-    _require(args.num_query_groups % tp == 0,
-             f"number of query groups {args.num_query_groups} is not divisible by "
-             f"--tensor-model-parallel-size {tp}")
-    _require(args.ffn_hidden_size % tp == 0,
-             f"--ffn-hidden-size {args.ffn_hidden_size} is not divisible by --tensor-model-parallel-size {tp}")
-    _context_parallel_args(args, cp, tp)
+    heads_even = require(args.num_attention_heads % tp == 0,
+                         f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+                         f"--tensor-model-parallel-size {tp}")
+    groups_even = require(args.num_query_groups % tp == 0,
+                          f"number of query groups {args.num_query_groups} is not divisible by "
+                          f"--tensor-model-parallel-size {tp}")
+    require(args.ffn_hidden_size % tp == 0,
+            f"--ffn-hidden-size {args.ffn_hidden_size} is not divisible by --tensor-model-parallel-size {tp}")
+    if heads_even and groups_even:  # else a tp rank's heads are no whole number to split further
+        _head_parallel_split(args, tp)
+    _context_parallel_args(args, cp)
+
+
+def _device_args(args):
+    """The backend decides the device; what needs CUDA or Transformer Engine is refused without."""
     cuda = torch.cuda.is_available()
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if cuda else "gloo"
-    _require(cuda or args.distributed_backend == "gloo",
-             "--distributed-backend nccl needs CUDA devices; none is visible (use gloo on CPU)")
+    require(cuda or args.distributed_backend == "gloo",
+            "--distributed-backend nccl needs CUDA devices and none is visible (use gloo on CPU)")
     # gloo moves host tensors (no reduce-scatter or send/recv of CUDA tensors): it means a CPU run
     args.device_type = "cuda" if args.distributed_backend == "nccl" else "cpu"
     cuda = args.device_type == "cuda"
-    if args.sequence_parallel and tp == 1:
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         args.sequence_parallel = False  # as Megatron: nothing to split with one tp rank
     sequence_parallel_device(args)
-    _require(args.transformer_impl == "local" or cuda,
-             "--transformer-impl transformer_engine needs CUDA and Transformer Engine; use local on CPU")
-    _require(args.transformer_impl == "local" or importlib.util.find_spec("transformer_engine"),
-             "--transformer-impl transformer_engine needs Transformer Engine installed "
-             "(pip install 'transformer-engine[pytorch]'), or use --transformer-impl local")
-    _require(args.cross_entropy_fusion_impl == "native" or importlib.util.find_spec("transformer_engine"),
-             "--cross-entropy-fusion-impl te needs Transformer Engine (use native)")
+    require(args.transformer_impl == "local" or cuda,
+            "--transformer-impl transformer_engine needs CUDA and Transformer Engine (use local on CPU)")
+    require(args.transformer_impl == "local" or importlib.util.find_spec("transformer_engine"),
+            "--transformer-impl transformer_engine needs Transformer Engine installed "
+            "(pip install 'transformer-engine[pytorch]'), or use --transformer-impl local")
+    require(args.cross_entropy_fusion_impl == "native" or importlib.util.find_spec("transformer_engine"),
+            "--cross-entropy-fusion-impl te needs Transformer Engine (use native)")
 
 
 def sequence_parallel_device(args) -> None:
     """A separate check, so that tests can run sequence parallelism on host ranks (model_utils)."""
-    _require(not args.sequence_parallel or args.device_type == "cuda",
-             "--sequence-parallel needs CUDA: megatron-core 0.16's sequence-parallel collectives "
-             "allocate their buffers on the GPU")
+    require(not args.sequence_parallel or args.device_type == "cuda",
+            "--sequence-parallel needs CUDA: megatron-core 0.16's sequence-parallel collectives "
+            "allocate their buffers on the GPU")
 
 
 def _cp_split(args, cp):
@@ -186,67 +190,69 @@ def _cp_split(args, cp):
         raise ArgsError(f"--cp-comm-type takes one value for all layers, got {args.cp_comm_type}")
     mode, sizes = args.cp_comm_type[0], args.hierarchical_context_parallel_sizes
     args.cp_comm_type = mode
-    _require(args.cp_inner_ring_size is None or mode != "a2a",
-             "--cp-inner-ring-size needs a ring (--cp-comm-type p2p or a2a+p2p)")
+    require(args.cp_inner_ring_size is None or mode != "a2a",
+            "--cp-inner-ring-size needs a ring (--cp-comm-type p2p or a2a+p2p)")
     if mode != "a2a+p2p":
-        _require(sizes is None, "--hierarchical-context-parallel-sizes needs --cp-comm-type a2a+p2p")
+        require(sizes is None, "--hierarchical-context-parallel-sizes needs --cp-comm-type a2a+p2p")
         return (cp, 1) if mode == "a2a" else (1, cp)
-    _require(sizes is not None and len(sizes) == 2,
-             "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes HEAD_PARALLEL RING")
-    _require(sizes[0] * sizes[1] == cp,
-             f"--hierarchical-context-parallel-sizes {sizes[0]} x {sizes[1]} = {sizes[0] * sizes[1]} "
-             f"differs from --context-parallel-size {cp}")
+    guard(sizes is not None and len(sizes) == 2,
+          "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes HEAD_PARALLEL RING")
+    guard(sizes[0] * sizes[1] == cp,
+          f"--hierarchical-context-parallel-sizes {sizes[0]} x {sizes[1]} = {sizes[0] * sizes[1]} "
+          f"differs from --context-parallel-size {cp}")
     return sizes[0], sizes[1]
 
 
-def _context_parallel_args(args, cp, tp):
+def _head_parallel_split(args, tp):
     hp = args.head_parallel_size
-    _require(args.seq_length % (2 * cp) == 0,
-             f"--seq-length {args.seq_length} is not divisible by 2 x --context-parallel-size {cp} = {2 * cp}")
-    heads, groups = args.num_attention_heads // tp, args.num_query_groups // tp
     try:
-        split_heads(heads, groups, hp)
+        split_heads(args.num_attention_heads // tp, args.num_query_groups // tp, hp)
     except ValueError as err:
-        raise ArgsError(f"head-parallel size {hp}: {err}") from None
+        require(False, f"head-parallel size {hp}: {err}")
+
+
+def _context_parallel_args(args, cp):
+    require(args.seq_length % (2 * cp) == 0,
+            f"--seq-length {args.seq_length} is not divisible by 2 x --context-parallel-size {cp} = {2 * cp}")
     if cp > 1:
-        _require(args.attention_dropout == 0.0,
-                 "--attention-dropout must be 0 with --context-parallel-size > 1 (ring attention merges "
-                 "softmax partials; dropout would need one mask across ranks)")
-    _require(not args.selective_checkpoint_pp or args.recompute_granularity == "full",
-             "--selective-checkpoint-pp needs --recompute-granularity full")
+        require(args.attention_dropout == 0.0,
+                "--attention-dropout must be 0 with --context-parallel-size > 1 (ring attention merges "
+                "softmax partials: dropout would need one mask across ranks)")
+    require(not args.selective_checkpoint_pp or args.recompute_granularity == "full",
+            "--selective-checkpoint-pp needs --recompute-granularity full")
 
 
 def _batch_args(args):
     dp, mbs = args.data_parallel_size, args.micro_batch_size
-    _require(mbs > 0, f"--micro-batch-size must be positive, got {mbs}")
+    guard(mbs > 0, f"--micro-batch-size must be positive, got {mbs}")
     if args.global_batch_size is None:
         args.global_batch_size = mbs * dp
-    _require(args.global_batch_size % (mbs * dp) == 0,
-             f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
-             f"{mbs} x data-parallel size {dp} = {mbs * dp}")
+    guard(args.global_batch_size % (mbs * dp) == 0,
+          f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+          f"{mbs} x data-parallel size {dp} = {mbs * dp}")
     args.num_microbatches = args.global_batch_size // (mbs * dp)
 
 
 def _precision_args(args):
-    _require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are mutually exclusive")
+    require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are mutually exclusive")
     if args.fp16:
-        _require(args.loss_scale is None or args.loss_scale > 0,
-                 f"--loss-scale must be positive, got {args.loss_scale}")
-        _require(args.initial_loss_scale >= args.min_loss_scale > 0,
-                 f"need --initial-loss-scale {args.initial_loss_scale:g} >= "
-                 f"--min-loss-scale {args.min_loss_scale:g} > 0")
-        _require(args.loss_scale_window > 0 and args.hysteresis > 0,
-                 "--loss-scale-window and --hysteresis must be positive")
+        require(args.loss_scale is None or args.loss_scale > 0,
+                f"--loss-scale must be positive, got {args.loss_scale}")
+        require(args.initial_loss_scale >= args.min_loss_scale > 0,
+                f"need --initial-loss-scale {args.initial_loss_scale:g} >= "
+                f"--min-loss-scale {args.min_loss_scale:g} > 0")
+        require(args.loss_scale_window > 0 and args.hysteresis > 0,
+                "--loss-scale-window and --hysteresis must be positive")
 
 
 def _overlap_args(args):
     # Megatron's rules: the gather exists only with the sharded optimizer, and is overlapped only
     # together with the reduction.
     if args.overlap_param_gather:
-        _require(args.use_distributed_optimizer, "--overlap-param-gather needs --use-distributed-optimizer")
-        _require(args.overlap_grad_reduce, "--overlap-param-gather needs --overlap-grad-reduce")
-    _require(args.num_distributed_optimizer_instances == 1 or args.use_distributed_optimizer,
-             "--num-distributed-optimizer-instances needs --use-distributed-optimizer (it shards that optimizer)")
+        require(args.use_distributed_optimizer, "--overlap-param-gather needs --use-distributed-optimizer")
+        require(args.overlap_grad_reduce, "--overlap-param-gather needs --overlap-grad-reduce")
+    require(args.num_distributed_optimizer_instances == 1 or args.use_distributed_optimizer,
+            "--num-distributed-optimizer-instances needs --use-distributed-optimizer (it shards that optimizer)")
 
 
 def _pipeline_args(args):
@@ -255,33 +261,35 @@ def _pipeline_args(args):
     first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
     # Megatron's accounting: the embedding and the loss each take one layer's place in the split
     counted = int(args.account_for_embedding_in_pipeline_split) + int(args.account_for_loss_in_pipeline_split)
-    _require(not counted or (first is None and last is None), "--account-for-embedding/loss-in-pipeline-split "
-                                                               "and --decoder-first/last-pipeline-num-layers "
-                                                               "are two ways to split: give one")
+    require(k == 1 or args.attention_dropout == 0.0, "--attention-dropout must be 0 with --pipe-sp-splits > 1")
+    guard(not counted or (first is None and last is None), "--account-for-embedding/loss-in-pipeline-split "
+                                                            "and --decoder-first/last-pipeline-num-layers "
+                                                            "are two ways to split: give one")
     v = _virtual_chunks(args, p, L, counted)
     if first is None and last is None:
-        _require((L + counted) % (p * v) == 0,
-                 f"--num-layers {L}{f' + {counted} counted' if counted else ''} is not divisible by "
-                 f"--pipeline-model-parallel-size {p}")
+        guard((L + counted) % (p * v) == 0,
+              f"--num-layers {L}{f' + {counted} counted' if counted else ''} is not divisible by "
+              f"--pipeline-model-parallel-size {p}")
     else:
         _uneven_stages(L, p, v, first, last)
     args.virtual_pipeline_chunks = v
     group = args.microbatch_group_size_per_vp_stage
-    _require(group is None or v > 1, "--microbatch-group-size-per-virtual-pipeline-stage needs an interleaved "
-                                     "schedule (--num-layers-per-virtual-pipeline-stage)")
+    guard(group is None or v > 1, "--microbatch-group-size-per-virtual-pipeline-stage needs an interleaved "
+                                  "schedule (--num-layers-per-virtual-pipeline-stage)")
     # groups hold whole micro-batches' segments; plan.check refuses a group smaller than the pipeline
     args.pipeline_group_units = group * k if group is not None else None
     # A model of NCCL's queues run on the executor's own issue order (test_nccl_queues.py) finds a
     # hang for groups larger than the pipeline, and none for groups of its size, when the streams
     # share one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1); gloo's sends progress on threads.
     if args.device_type == "cuda" and group is not None:
-        _require(group * k <= p, f"--microbatch-group-size-per-virtual-pipeline-stage {group} makes interleaved "
-                                 f"groups of {group * k} units (x {k} segments), more than the pipeline size {p}: "
-                                 f"on NCCL that schedule can deadlock; leave the flag out (groups of {p} units)")
+        guard(group * k <= p, f"--microbatch-group-size-per-virtual-pipeline-stage {group} makes interleaved "
+                              f"groups of {group * k} units (x {k} segments), more than the pipeline size {p}: "
+                              f"on NCCL that schedule can deadlock, leave the flag out (groups of {p} units)")
     try:
         plan.check(p, args.num_microbatches, k, v, args.pipeline_group_units)
     except plan.ScheduleError as err:
-        raise ArgsError(f"{err} (micro-batches = global batch / (micro batch x dp) = {args.num_microbatches})") from None
+        raise ArgsError(f"{err} (micro-batches = global batch / (micro batch x dp) = "
+                        f"{args.num_microbatches})") from None
     granularity = 2 * args.context_parallel_size if args.context_parallel_size > 1 else 1
     if args.sequence_parallel:
         granularity *= args.tensor_model_parallel_size
@@ -291,42 +299,40 @@ def _pipeline_args(args):
                                                    num_parameters(args), L, args.hidden_size)
     except partition.PartitionError as err:
         raise ArgsError(str(err)) from None
-    if k > 1:
-        _require(args.attention_dropout == 0.0, "--attention-dropout must be 0 with --pipe-sp-splits > 1")
 
 
 def _virtual_chunks(args, p: int, L: int, counted: int) -> int:
     """Model chunks per pipeline rank, from either of Megatron's spellings; the split is of L
     layers plus the `counted` embedding / loss."""
     per, chunks = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
-    _require(per is None or chunks is None, "give one of --num-layers-per-virtual-pipeline-stage and "
-                                            "--num-virtual-stages-per-pipeline-rank")
+    guard(per is None or chunks is None, "give one of --num-layers-per-virtual-pipeline-stage and "
+                                         "--num-virtual-stages-per-pipeline-rank")
     layers = f"--num-layers {L}{f' + {counted} counted' if counted else ''}"
     if chunks is not None:
-        _require(chunks > 0 and (L + counted) % (p * chunks) == 0,
-                 f"{layers} is not divisible by --pipeline-model-parallel-size {p} x "
-                 f"--num-virtual-stages-per-pipeline-rank {chunks} = {p * chunks}")
+        guard(chunks > 0 and (L + counted) % (p * chunks) == 0,
+              f"{layers} is not divisible by --pipeline-model-parallel-size {p} x "
+              f"--num-virtual-stages-per-pipeline-rank {chunks} = {p * chunks}")
         v = chunks
     elif per is not None:
-        _require(per > 0 and (L + counted) % (p * per) == 0,
-                 f"{layers} is not divisible by --pipeline-model-parallel-size {p} x "
-                 f"--num-layers-per-virtual-pipeline-stage {per} = {p * per}")
+        guard(per > 0 and (L + counted) % (p * per) == 0,
+              f"{layers} is not divisible by --pipeline-model-parallel-size {p} x "
+              f"--num-layers-per-virtual-pipeline-stage {per} = {p * per}")
         v = (L + counted) // (p * per)
     else:
         return 1
-    _require(p > 1 or v == 1, "an interleaved schedule needs --pipeline-model-parallel-size > 1")
+    guard(p > 1 or v == 1, "an interleaved schedule needs --pipeline-model-parallel-size > 1")
     return v
 
 
 def _uneven_stages(L, p, v, first, last):
-    _require(p > 1 and v == 1, "--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1 "
-                               "and no virtual pipeline")
-    _require(all(n is None or n > 0 for n in (first, last)),
-             "--decoder-first/last-pipeline-num-layers must be positive")
+    guard(p > 1 and v == 1, "--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1 "
+                            "and no virtual pipeline")
+    guard(all(n is None or n > 0 for n in (first, last)),
+          "--decoder-first/last-pipeline-num-layers must be positive")
     rest, middle = L - (first or 0) - (last or 0), p - (first is not None) - (last is not None)
-    _require(rest >= middle and (rest % middle == 0 if middle else rest == 0),
-             f"--num-layers {L} less the first/last stages' {(first or 0) + (last or 0)} leaves {rest} for "
-             f"{middle} middle stage(s): not an even positive share")
+    guard(rest >= middle and (rest % middle == 0 if middle else rest == 0),
+          f"--num-layers {L} less the first/last stages' {(first or 0) + (last or 0)} leaves {rest} for "
+          f"{middle} middle stage(s): not an even positive share")
 
 
 def num_parameters(args) -> int:
@@ -343,29 +349,29 @@ def _schedule_args(args):
     """Training length and the LR schedule, both counted in samples as Megatron's scheduler does:
     given in iterations (x global batch) or, with --train-samples, in samples."""
     decay, warmup = _train_iters(args) if args.train_samples is None else _train_samples(args)
-    _require(args.train_iters > 0, f"--train-iters must be positive, got {args.train_iters}")
-    _require(args.lr >= args.min_lr >= 0.0, f"need --lr {args.lr} >= --min-lr {args.min_lr} >= 0")
+    require(args.train_iters > 0, f"--train-iters must be positive, got {args.train_iters}")
+    require(args.lr >= args.min_lr >= 0.0, f"need --lr {args.lr} >= --min-lr {args.min_lr} >= 0")
     if args.decoupled_lr is not None:
         low = args.decoupled_min_lr if args.decoupled_min_lr is not None else args.min_lr
-        _require(args.decoupled_lr >= low >= 0.0,
-                 f"need --decoupled-lr {args.decoupled_lr} >= --decoupled-min-lr (or --min-lr) {low} >= 0")
-    _require(not (args.lr_warmup_fraction is not None and warmup),
-             "--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples are mutually exclusive")
+        require(args.decoupled_lr >= low >= 0.0,
+                f"need --decoupled-lr {args.decoupled_lr} >= --decoupled-min-lr (or --min-lr) {low} >= 0")
+    require(not (args.lr_warmup_fraction is not None and warmup),
+            "--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples are mutually exclusive")
     if args.lr_warmup_fraction is not None:
         warmup = args.lr_warmup_fraction * decay
-    _require(warmup < decay, f"warm-up ({warmup:g} samples) must be shorter than the decay ({decay} samples)")
+    require(warmup < decay, f"warm-up ({warmup:g} samples) must be shorter than the decay ({decay} samples)")
     args.lr_decay_steps, args.lr_warmup_steps = decay, warmup
-    _require(not (args.use_checkpoint_opt_param_scheduler and args.override_opt_param_scheduler),
-             "--use-checkpoint-opt_param-scheduler and --override-opt_param-scheduler are mutually exclusive")
-    _require(args.log_interval > 0, "--log-interval must be positive")
-    _require(args.eval_interval is None or args.eval_interval > 0, "--eval-interval must be positive")
+    require(not (args.use_checkpoint_opt_param_scheduler and args.override_opt_param_scheduler),
+            "--use-checkpoint-opt_param-scheduler and --override-opt_param-scheduler are mutually exclusive")
+    require(args.log_interval > 0, "--log-interval must be positive")
+    require(args.eval_interval is None or args.eval_interval > 0, "--eval-interval must be positive")
 
 
 def _train_iters(args):
-    _require(args.train_iters is not None, "--train-iters or --train-samples is required")
-    _require(args.lr_decay_samples is None and not args.lr_warmup_samples,
-             "--lr-decay-samples and --lr-warmup-samples need --train-samples (with --train-iters: "
-             "--lr-decay-iters, --lr-warmup-iters)")
+    guard(args.train_iters is not None, "--train-iters or --train-samples is required")
+    require(args.lr_decay_samples is None and not args.lr_warmup_samples,
+            "--lr-decay-samples and --lr-warmup-samples need --train-samples (with --train-iters: "
+            "--lr-decay-iters, --lr-warmup-iters)")
     gbs = args.global_batch_size
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
@@ -374,49 +380,55 @@ def _train_iters(args):
 
 def _train_samples(args):
     gbs = args.global_batch_size
-    _require(args.train_iters is None, "--train-iters and --train-samples are mutually exclusive")
-    _require(args.lr_decay_iters is None and not args.lr_warmup_iters,
-             "with --train-samples the schedule is in samples: --lr-decay-samples, --lr-warmup-samples")
-    _require(args.train_samples >= gbs, f"--train-samples {args.train_samples} is less than one global batch ({gbs})")
+    require(args.train_iters is None, "--train-iters and --train-samples are mutually exclusive")
+    require(args.lr_decay_iters is None and not args.lr_warmup_iters,
+            "with --train-samples the schedule is in samples: --lr-decay-samples, --lr-warmup-samples")
+    guard(args.train_samples >= gbs, f"--train-samples {args.train_samples} is less than one global batch ({gbs})")
     args.train_iters = args.train_samples // gbs  # a last partial batch is not trained, as in Megatron
     return args.lr_decay_samples or args.train_samples, args.lr_warmup_samples
 
 
 def _recompute_args(args):
-    _require(args.cross_entropy_chunk_tokens >= 0,
-             f"--cross-entropy-chunk-tokens must be >= 0 (0: whole), got {args.cross_entropy_chunk_tokens}")
+    require(args.cross_entropy_chunk_tokens >= 0,
+            f"--cross-entropy-chunk-tokens must be >= 0 (0: whole), got {args.cross_entropy_chunk_tokens}")
     gran, method, n = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
     if gran == "full":
-        _require(method is not None, "--recompute-granularity full needs --recompute-method uniform|block")
-        _require(n is not None and 1 <= n <= args.num_layers,
-                 f"--recompute-num-layers must be in [1, --num-layers {args.num_layers}], got {n}")
+        require(method is not None, "--recompute-granularity full needs --recompute-method uniform|block")
+        require(n is not None and 1 <= n <= args.num_layers,
+                f"--recompute-num-layers must be in [1, --num-layers {args.num_layers}], got {n}")
     else:
-        _require(method is None, "--recompute-method needs --recompute-granularity full")
+        require(method is None, "--recompute-method needs --recompute-granularity full")
 
 
 def _memo_args(args):
-    _require(args.memo or args.memo_allocator == "caching", "--memo-allocator planned needs --memo")
+    require(args.memo or args.memo_allocator == "caching", "--memo-allocator planned needs --memo")
     if not args.memo:
         return
-    _require(args.memo_allocator == "caching" or args.device_type == "cuda",
-             "--memo-allocator planned needs a CUDA device: it replaces torch's CUDA caching allocator "
-             "(on CPU, plan offline with tools/plan_memory.py)")
+    require(args.memo_allocator == "caching" or args.device_type == "cuda",
+            "--memo-allocator planned needs a CUDA device: it replaces torch's CUDA caching allocator "
+            "(on CPU, plan offline with tools/plan_memory.py)")
     if args.memo_swap_fraction != "auto":
-        try:
-            alpha = float(args.memo_swap_fraction)
-        except ValueError:
-            raise ArgsError(f"--memo-swap-fraction must be 'auto' or a number, got {args.memo_swap_fraction!r}") from None
-        _require(0.0 <= alpha <= 1.0, f"--memo-swap-fraction must be in [0, 1], got {alpha}")
-    _require(args.recompute_granularity is None,
-             "--memo replaces activation recompute; drop --recompute-granularity")
-    _require(args.hidden_dropout == 0.0,
-             "--memo needs --hidden-dropout 0: recomputing a subset of tokens cannot redraw the full dropout mask")
-    _require(not args.sequence_parallel, "--memo does not support --sequence-parallel yet")
-    _require(args.memo_host_memory_gb > 0, "--memo-host-memory-gb must be positive")
+        alpha = _number(args.memo_swap_fraction)
+        if require(alpha is not None,
+                   f"--memo-swap-fraction must be 'auto' or a number, got {args.memo_swap_fraction!r}"):
+            require(0.0 <= alpha <= 1.0, f"--memo-swap-fraction must be in [0, 1], got {alpha}")
+    require(args.recompute_granularity is None,
+            "--memo replaces activation recompute: drop --recompute-granularity")
+    require(args.hidden_dropout == 0.0,
+            "--memo needs --hidden-dropout 0: recomputing a subset of tokens cannot redraw the full dropout mask")
+    require(not args.sequence_parallel, "--memo does not support --sequence-parallel yet")
+    require(args.memo_host_memory_gb > 0, "--memo-host-memory-gb must be positive")
     if args.memo_plan:
         _saved_plans(args.memo_plan, args.pipeline_model_parallel_size)
-    _require(args.num_layers // (args.pipeline_model_parallel_size * args.virtual_pipeline_chunks) >= 1,
-             "--memo needs layers to manage")
+    require(args.num_layers // (args.pipeline_model_parallel_size * args.virtual_pipeline_chunks) >= 1,
+            "--memo needs layers to manage")
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
 
 
 def _saved_plans(path: str, stages: int) -> None:
@@ -425,53 +437,55 @@ def _saved_plans(path: str, stages: int) -> None:
 
     for stage in range(stages):
         one = stage_plan_path(path, stage, stages)
-        _require(os.path.isfile(one), f"--memo-plan: cannot read {one}")
+        if not require(os.path.isfile(one), f"--memo-plan: cannot read {one}"):
+            continue
         try:
             load_plan_summary(one)
         except (ValueError, KeyError, OSError) as err:  # json's decode error is a ValueError
-            raise ArgsError(f"--memo-plan: {err}") from None
+            require(False, f"--memo-plan: {err}")
 
 
 def _rerun_args(args):
-    _require(args.error_injection_rate >= 0, f"--error-injection-rate must be >= 0, got {args.error_injection_rate}")
-    _require(args.error_injection_rate == 0 or args.rerun_mode == "validate_results",
-             "--error-injection-rate needs --rerun-mode validate_results (nothing reruns otherwise)")
+    require(args.error_injection_rate >= 0, f"--error-injection-rate must be >= 0, got {args.error_injection_rate}")
+    require(args.error_injection_rate == 0 or args.rerun_mode == "validate_results",
+            "--error-injection-rate needs --rerun-mode validate_results (nothing reruns otherwise)")
 
 
 def _data_args(args):
-    _require(int(args.mock_data) + int(args.passkey_data) + int(bool(args.data_path)) == 1,
-             "give exactly one of --mock-data, --passkey-data and --data-path")
+    require(int(args.mock_data) + int(args.passkey_data) + int(bool(args.data_path)) == 1,
+            "give exactly one of --mock-data, --passkey-data and --data-path")
     if args.passkey_data:
-        _require(args.tokenizer_type == "NullTokenizer", "--passkey-data needs --tokenizer-type NullTokenizer")
-        _require(args.vocab_size > 30, f"--passkey-data needs --vocab-size > 30, got {args.vocab_size}")
-        _require(args.seq_length >= 8 * (args.passkey_length + 2),
-                 f"--seq-length {args.seq_length} is too short for --passkey-length {args.passkey_length}")
-        _require(0 < args.passkey_depth <= 1, f"--passkey-depth must be in (0, 1], got {args.passkey_depth}")
-    if args.data_path:
-        for prefix in data_prefixes(args.data_path):
-            for ext in (".bin", ".idx"):
-                path = prefix + ext
-                _require(os.path.isfile(path) and os.access(path, os.R_OK),
-                         f"--data-path: cannot read {path}")
+        require(args.tokenizer_type == "NullTokenizer", "--passkey-data needs --tokenizer-type NullTokenizer")
+        require((args.vocab_size or 0) > 30, f"--passkey-data needs --vocab-size > 30, got {args.vocab_size}")
+        require(args.seq_length >= 8 * (args.passkey_length + 2),
+                f"--seq-length {args.seq_length} is too short for --passkey-length {args.passkey_length}")
+        require(0 < args.passkey_depth <= 1, f"--passkey-depth must be in (0, 1], got {args.passkey_depth}")
     if args.split is None:
         args.split = "969, 30, 1"  # Megatron's default train/valid/test split
-    if args.data_path:
+    if args.data_path and _readable_data(args.data_path):
         _check_splits(args)
     if args.tokenizer_type == "HuggingFaceTokenizer":
-        _require(args.tokenizer_model is not None and os.path.isdir(args.tokenizer_model),
-                 f"--tokenizer-model must be a local directory for HuggingFaceTokenizer, got "
-                 f"{args.tokenizer_model} (nothing is downloaded at run time)")
-        _require(any(os.path.isfile(os.path.join(args.tokenizer_model, f)) for f in HF_TOKENIZER_FILES),
-                 f"--tokenizer-model {args.tokenizer_model} holds no tokenizer ({', '.join(HF_TOKENIZER_FILES)})")
+        if require(args.tokenizer_model is not None and os.path.isdir(args.tokenizer_model),
+                   f"--tokenizer-model must be a local directory for HuggingFaceTokenizer, got "
+                   f"{args.tokenizer_model} (nothing is downloaded at run time)"):
+            require(any(os.path.isfile(os.path.join(args.tokenizer_model, f)) for f in HF_TOKENIZER_FILES),
+                    f"--tokenizer-model {args.tokenizer_model} holds no tokenizer ({', '.join(HF_TOKENIZER_FILES)})")
     if args.tokenizer_type == "GPT2BPETokenizer":
         for name in ("vocab_file", "merge_file"):
             path = getattr(args, name)
-            _require(path is not None and os.path.isfile(path),
-                     f"GPT2BPETokenizer needs {_flag(name)} pointing at a local file, got {path}")
-    _require(args.num_workers >= 0, "--num-workers must be >= 0")
-    unwritable = [f"{_flag(n)} {getattr(args, n)}" for n in ("save", "tensorboard_dir", "data_cache_path")
+            require(path is not None and os.path.isfile(path),
+                    f"GPT2BPETokenizer needs {flag(name)} pointing at a local file, got {path}")
+    require(args.num_workers >= 0, "--num-workers must be >= 0")
+    unwritable = [f"{flag(n)} {getattr(args, n)}" for n in ("save", "tensorboard_dir", "data_cache_path")
                   if getattr(args, n, None) and not _writable(getattr(args, n))]
-    _require(not unwritable, f"cannot create or write {', '.join(unwritable)}")
+    require(not unwritable, f"cannot create or write {', '.join(unwritable)}")
+
+
+def _readable_data(data_path) -> bool:
+    """Every prefix's .bin and .idx can be read (each one that cannot is reported)."""
+    paths = [prefix + ext for prefix in data_prefixes(data_path) for ext in (".bin", ".idx")]
+    return all([require(os.path.isfile(p) and os.access(p, os.R_OK), f"--data-path: cannot read {p}")
+                for p in paths])  # a list, not a generator: every path is checked
 
 
 # the files transformers' AutoTokenizer builds a tokenizer from (one is enough)
@@ -504,14 +518,15 @@ def _check_splits(args):
         try:
             num_docs = IndexedDataset(prefix).document_indices.shape[0] - 1
         except (AssertionError, OSError, ValueError) as err:  # megatron-core asserts on a bad header
-            raise ArgsError(f"--data-path: {prefix}.idx/.bin is not an indexed dataset ({err})") from None
+            require(False, f"--data-path: {prefix}.idx/.bin is not an indexed dataset ({err})")
+            continue
         for i, name in needed.items():
             if matrix[i] is None:
-                _require(i > 0, f"--split {args.split!r} gives the train split no weight")
+                require(i > 0, f"--split {args.split!r} gives the train split no weight")
                 continue
             docs = int(round(matrix[i][1] * num_docs)) - int(round(matrix[i][0] * num_docs))
-            _require(docs > 0, f"--split {args.split!r}: the {name} split of {prefix} gets no documents "
-                               f"({num_docs} in all); give it more weight or pass --eval-iters 0")
+            require(docs > 0, f"--split {args.split!r}: the {name} split of {prefix} gets no documents "
+                              f"({num_docs} in all): give it more weight or pass --eval-iters 0")
 
 
 def data_prefixes(data_path):
@@ -520,7 +535,7 @@ def data_prefixes(data_path):
         float(data_path[0])
     except ValueError:
         return list(data_path)
-    _require(len(data_path) % 2 == 0, f"--data-path with weights needs pairs 'weight prefix', got {data_path}")
+    guard(len(data_path) % 2 == 0, f"--data-path with weights needs pairs 'weight prefix', got {data_path}")
     return list(data_path[1::2])
 
 
@@ -528,30 +543,29 @@ def _profile_args(args, world_size):
     cuda = args.device_type == "cuda"
     if args.profile:
         start, end = args.profile_step_start, args.profile_step_end
-        _require(0 <= start < end, f"need 0 <= --profile-step-start {start} < --profile-step-end {end}")
+        require(0 <= start < end, f"need 0 <= --profile-step-start {start} < --profile-step-end {end}")
         outside = [r for r in args.profile_ranks if not 0 <= r < world_size]
-        _require(not outside, f"--profile-ranks {outside} outside the {world_size} ranks")
-        _require(args.use_pytorch_profiler or cuda,
-                 "--profile without --use-pytorch-profiler starts CUDA's profiler (nsys), which needs CUDA")
-    _require(not args.record_memory_history or cuda, "--record-memory-history records the CUDA allocator: needs CUDA")
+        require(not outside, f"--profile-ranks {outside} outside the {world_size} ranks")
+        require(args.use_pytorch_profiler or cuda,
+                "--profile without --use-pytorch-profiler starts CUDA's profiler (nsys), which needs CUDA")
+    require(not args.record_memory_history or cuda, "--record-memory-history records the CUDA allocator: needs CUDA")
 
 
 def _checkpoint_args(args):
-    _require(args.save_interval is None or args.save is not None, "--save-interval needs --save")
-    _require(args.save_interval is None or args.save_interval > 0, "--save-interval must be positive")
-    _require(not args.verify_integrity or args.ckpt_format == "torch_dist",
-             f"--verify-integrity needs --ckpt-format torch_dist (got {args.ckpt_format})")
-    _require(not args.async_save or args.ckpt_format == "torch_dist",
-             f"--async-save needs --ckpt-format torch_dist (got {args.ckpt_format})")
-    for flag in ("exit_interval", "exit_duration_in_mins"):
-        value = getattr(args, flag)
-        _require(value is None or value > 0, f"--{flag.replace('_', '-')} must be positive")
+    require(args.save_interval is None or args.save is not None, "--save-interval needs --save")
+    require(args.save_interval is None or args.save_interval > 0, "--save-interval must be positive")
+    require(not args.verify_integrity or args.ckpt_format == "torch_dist",
+            f"--verify-integrity needs --ckpt-format torch_dist (got {args.ckpt_format})")
+    require(not args.async_save or args.ckpt_format == "torch_dist",
+            f"--async-save needs --ckpt-format torch_dist (got {args.ckpt_format})")
+    for name in ("exit_interval", "exit_duration_in_mins"):
+        require(getattr(args, name) is None or getattr(args, name) > 0, f"{flag(name)} must be positive")
     converting = args.ckpt_convert_format is not None
-    _require(converting == (args.ckpt_convert_save is not None),
-             "--ckpt-convert-format and --ckpt-convert-save go together")
-    _require(not converting or args.load is not None, "--ckpt-convert-format needs --load")
-    # converting nothing would write a random initialisation as "the converted checkpoint"
-    _require(not converting or os.path.isdir(args.load), f"--ckpt-convert-format: no checkpoint directory {args.load}")
+    require(converting == (args.ckpt_convert_save is not None),
+            "--ckpt-convert-format and --ckpt-convert-save go together")
+    if converting and require(args.load is not None, "--ckpt-convert-format needs --load"):
+        # converting nothing would write a random initialisation as "the converted checkpoint"
+        require(os.path.isdir(args.load), f"--ckpt-convert-format: no checkpoint directory {args.load}")
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:

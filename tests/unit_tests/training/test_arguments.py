@@ -68,7 +68,7 @@ def test_interleaved_groups_larger_than_the_pipeline_are_refused_on_nccl(monkeyp
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert error_of(larger, world=2) == (
         "--microbatch-group-size-per-virtual-pipeline-stage 2 makes interleaved groups of 4 units (x 2 segments), "
-        "more than the pipeline size 2: on NCCL that schedule can deadlock; leave the flag out (groups of 2 units)")
+        "more than the pipeline size 2: on NCCL that schedule can deadlock, leave the flag out (groups of 2 units)")
     exact = args_for(pipeline + "--microbatch-group-size-per-virtual-pipeline-stage 2", world=2)
     assert exact.pipeline_group_units == 2
     assert args_for(pipeline + "--pipe-sp-splits 2", world=2).pipeline_group_units is None
@@ -185,6 +185,29 @@ def test_missing_required_flag(missing):
     del base[i : i + 2]
     assert error_of(base=base) == f"{missing} is required"
 
+
+# Bad flags that share a group of checks (model, parallel layout, precision, schedule, MEMO, data,
+# checkpoints), each independent of the others: a user who makes them all hears of them all at once.
+INDEPENDENT_PROBLEMS = (
+    "--position-embedding-type rope --rotary-percent 0.1", "--max-position-embeddings 64", "--hidden-dropout 1.0",
+    "--ffn-hidden-size 65", "--transformer-impl transformer_engine", "--selective-checkpoint-pp",
+    "--fp16 --loss-scale -1 --hysteresis 0", "--overlap-param-gather",
+    "--min-lr 1", "--log-interval 0", "--eval-interval 0",
+    "--recompute-method uniform", "--cross-entropy-chunk-tokens -1",
+    "--memo --memo-swap-fraction 1.5 --memo-host-memory-gb 0",
+    "--num-workers -1", "--save-interval 5", "--exit-interval -1", "--record-memory-history",
+)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="--transformer-impl and --record-memory-history need no fix there")
+def test_every_problem_of_a_command_line_at_once():
+    """The command line with all of them reports exactly what each reports alone: none is hidden
+    behind another of its group, and none adds a consequence of another."""
+    alone = [error_of(f"{extra} --tensor-model-parallel-size 2", world=2).split("; ") for extra in INDEPENDENT_PROBLEMS]
+    everything = " ".join(INDEPENDENT_PROBLEMS) + " --tensor-model-parallel-size 2"
+    together = error_of(everything, world=2).split("; ")
+    assert sorted(together) == sorted(set(sum(alone, [])))
+    assert len(together) > len(INDEPENDENT_PROBLEMS)  # some flags above carry several problems
 
 def test_training_length_in_iterations_or_samples():
     base, i = list(BASE), BASE.index("--train-iters")

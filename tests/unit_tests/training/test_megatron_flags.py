@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron.training import training
-from megatron.training.arguments import ArgsError, NO_OP, UNSUPPORTED, _out_of_scope, build_parser, parse
+from megatron.training.arguments import ArgsError, NO_OP, OUT_OF_SCOPE, UNSUPPORTED, _out_of_scope, build_parser, parse
 
 CONFIGS = Path(__file__).resolve().parents[2] / "functional_tests" / "megatron_configs" / "gpt_training_flags.json"
 
@@ -45,7 +45,7 @@ def test_refusals_name_their_reason_and_come_together():
     assert set(errors[1:]) == {
         "--tp-comm-overlap: " + UNSUPPORTED["--tp-comm-overlap"], "--squared-relu: " + UNSUPPORTED["--squared-relu"],
         "--moe-router-topk: mixture-of-experts models are outside this project's scope",
-        "--wandb-project: Weights & Biases logging is not implemented; use --tensorboard-dir",
+        "--wandb-project: Weights & Biases logging is not implemented (use --tensorboard-dir)",
         "unrecognized arguments: --no-such-flag 3"}
 
 
@@ -63,6 +63,12 @@ def test_parse_and_validate_reports_parser_and_validation_problems_in_one_line(m
     assert "--train-iters or --train-samples is required" in parts
     assert "--error-injection-rate needs --rerun-mode validate_results (nothing reruns otherwise)" in parts
     assert "\n" not in str(info.value)
+
+
+def test_a_refusal_is_one_part_of_the_line():
+    """Problems are joined with "; ", so a reason holding one would read as two problems."""
+    reasons = list(UNSUPPORTED.values()) + list(OUT_OF_SCOPE.values())
+    assert not [r for r in reasons if "; " in r]
 
 
 def test_help_says_why_a_no_op_flag_changes_nothing():
