@@ -87,7 +87,7 @@ def atomic_torch_save(obj, path: str) -> None:
     os.replace(tmp, path)
 
 
-def _atomic_write_text(path: str, text: str) -> None:
+def atomic_write_text(path: str, text: str) -> None:
     tmp = path + ".part"
     with open(tmp, "w") as f:
         f.write(text)
@@ -179,7 +179,7 @@ def publish_tree(root: str, tmp: str, final: str, tracker: str) -> None:
         shutil.rmtree(final)
     os.rename(tmp, final)
     _fsync(root)
-    _atomic_write_text(os.path.join(root, TRACKER), tracker)
+    atomic_write_text(os.path.join(root, TRACKER), tracker)
 
 
 def _main_file(args, state, rerun: Optional[list]) -> dict:

@@ -18,8 +18,8 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from megatron.training.checkpointing import (
-    CHECKPOINT_VERSION, FORMAT_FILE, HF_CONFIG, RELEASE, TOKENIZER_DIR, atomic_torch_save, latest_checkpoint,
-    publish_tree, recorded)
+    CHECKPOINT_VERSION, FORMAT_FILE, HF_CONFIG, RELEASE, TOKENIZER_DIR, atomic_torch_save, atomic_write_text,
+    latest_checkpoint, publish_tree, recorded)
 from megatron.training.convert.hf import TOKENIZER_FILES, ConvertError
 from megatron.training.convert.layout import unshard
 
@@ -47,10 +47,16 @@ def write_release(root: str, ranks: Dict[Tuple[int, int], dict], saved_args: dic
 
 
 def write_hf_side(root: str, config_dict: dict, tokenizer_from: Optional[str]) -> None:
-    """The Hugging Face config and tokenizer files the model came with, beside the checkpoint."""
-    with open(os.path.join(root, HF_CONFIG), "w") as f:
-        json.dump(config_dict, f, indent=2, sort_keys=True)
-    copy_tokenizer(tokenizer_from, os.path.join(root, TOKENIZER_DIR))
+    """The Hugging Face config and tokenizer files the model came with, beside the checkpoint:
+    each replaced whole (a crash leaves the old or the new one), before the checkpoint is published."""
+    os.makedirs(root, exist_ok=True)
+    atomic_write_text(os.path.join(root, HF_CONFIG), json.dumps(config_dict, indent=2, sort_keys=True))
+    final = os.path.join(root, TOKENIZER_DIR)
+    tmp = final + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    if copy_tokenizer(tokenizer_from, tmp):
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
 
 
 def copy_tokenizer(src: Optional[str], dst: str) -> bool:
@@ -101,8 +107,23 @@ def _read_torch(path: str) -> Tuple[dict, Dict[Tuple[int, int], dict], int, int]
         if not isinstance(obj.get("args"), argparse.Namespace) or "model" not in obj:
             raise ConvertError(f"{path}/{d}: not a checkpoint of one model chunk with its arguments (a "
                                f"virtual-pipeline one has model0, model1, ...)")
-        ranks[(int(t), int(p or 0))], saved = obj["model"], recorded(obj["args"])
+        ranks[(int(t), int(p or 0))], saved = _local_names(obj["model"]), recorded(obj["args"])
     return saved, ranks, tp, pp
+
+
+def _local_names(model: dict) -> dict:
+    """A rank's model under the local spec's names: Megatron-LM's GPU default, Transformer Engine
+    layers, names the norms by the fused modules holding them and keeps `_extra_state` entries
+    (FP8 metadata, no weights), which are dropped."""
+    fused, out = _fused_names(), {}
+    for key, value in model.items():
+        if key.endswith("._extra_state"):
+            continue
+        if key.startswith(_LAYERS):
+            index, name = key[len(_LAYERS):].split(".", 1)
+            key = f"{_LAYERS}{index}.{_module_name(name, fused)}"
+        out[key] = value
+    return out
 
 
 # Stored beside the model in a torch_dist checkpoint (dist_ckpt.py): not model tensors.

@@ -11,6 +11,7 @@ Everything is checked before anything is written; a bad input is one line on std
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Dict, List, Optional, Tuple
 
@@ -18,8 +19,8 @@ import torch
 
 from megatron.training.convert import checkpoint as ckpt
 from megatron.training.convert.hf import (
-    FAMILIES, ConvertError, Model, check_flags, hf_config, model_from_args, model_from_hf, pretrain_flags,
-    read_hf_config, read_hf_weights, trainer_args, write_hf_dir)
+    FAMILIES, ConvertError, Model, check_flags, check_weights, hf_config, model_from_args, model_from_hf,
+    pretrain_flags, read_hf_config, read_hf_weights, shard_size_bytes, trainer_args, write_hf_dir)
 from megatron.training.convert.layout import from_hf, pad_rows, shard, to_hf
 from megatron.training.validate import padded_vocab_size
 
@@ -59,6 +60,10 @@ def _check_targets(args) -> None:
     for flag in ("target_tensor_parallel_size", "target_pipeline_parallel_size", "make_vocab_size_divisible_by"):
         if getattr(args, flag) < 1:
             raise ConvertError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if os.path.realpath(args.load_dir) == os.path.realpath(args.save_dir):
+        # the saver would overwrite what the loader still reads (side files, tokenizer)
+        raise ConvertError(f"--save-dir is --load-dir ({args.load_dir}): write the conversion to another directory")
+    args.max_shard_bytes = shard_size_bytes(args.max_shard_size)
 
 
 def _check_split(m: Model, tp: int, pp: int) -> None:
@@ -76,7 +81,7 @@ def load_hf(args) -> Tuple[Model, Dict[str, torch.Tensor], dict, str]:
     m = model_from_hf(config)
     _check_model(args, m)
     state = read_hf_weights(args.load_dir)
-    _check_names(state, m)
+    check_weights(state, m)
     padded = padded_vocab_size(m.vocab, args.make_vocab_size_divisible_by, args.target_tensor_parallel_size)
     return m, from_hf(state, m.shape(padded)), config.to_dict(), args.load_dir
 
@@ -87,18 +92,14 @@ def _check_model(args, m: Model) -> None:
         _check_split(m, args.target_tensor_parallel_size, args.target_pipeline_parallel_size)
 
 
-def _check_names(state: dict, m: Model) -> None:
-    missing = [n for n in ("model.embed_tokens.weight", "model.norm.weight", f"model.layers.{m.num_layers - 1}."
-               "self_attn.q_proj.weight") + (() if m.tied else ("lm_head.weight",)) if n not in state]
-    if missing:
-        raise ConvertError(f"the safetensors lack {', '.join(missing)}: they do not hold the model config.json describes")
-
-
 def load_megatron(args) -> Tuple[Model, Dict[str, torch.Tensor], Optional[dict], str]:
     saved, whole = ckpt.read_checkpoint(args.load_dir)
     base = ckpt.read_hf_side(args.load_dir)
     family = args.hf_family or _family_of(base, saved)
     vocab = args.true_vocab_size or (base or {}).get("vocab_size")
+    rows = whole["embedding.word_embeddings.weight"].shape[0]
+    if vocab is not None and not 0 < vocab <= rows:
+        raise ConvertError(f"--true-vocab-size {vocab}: the checkpoint's embedding has {rows} rows")
     m = model_from_args(saved, family, vocab)
     _check_model(args, m)
     return m, whole, base, f"{args.load_dir}/{ckpt.TOKENIZER_DIR}"
@@ -116,8 +117,9 @@ def save_megatron(args, m: Model, whole: dict, base: Optional[dict], tokenizer: 
     padded = padded_vocab_size(m.vocab, args.make_vocab_size_divisible_by, tp)
     whole = _repad(whole, padded)
     ranks = shard(whole, m.shape(padded), tp, pp)
-    ckpt.write_release(args.save_dir, ranks, trainer_args(m, tp, pp, padded))
+    # the side files first: once the tracker names the release, an export reads them
     ckpt.write_hf_side(args.save_dir, base if base is not None else hf_config(m, _dtype(whole)).to_dict(), tokenizer)
+    ckpt.write_release(args.save_dir, ranks, trainer_args(m, tp, pp, padded))
     flags = pretrain_flags(m, args.make_vocab_size_divisible_by)
     print(f"saved a released checkpoint at tp {tp}, pp {pp} under {args.save_dir}; pretrain_gpt.py model flags:")
     print(" ".join(flags + [f"--tensor-model-parallel-size {tp}", f"--pipeline-model-parallel-size {pp}",
@@ -136,7 +138,7 @@ def _dtype(whole: dict) -> torch.dtype:
 
 def save_hf(args, m: Model, whole: dict, base: Optional[dict], tokenizer: str) -> None:
     state = to_hf(whole, m.shape(whole["embedding.word_embeddings.weight"].shape[0]))
-    write_hf_dir(args.save_dir, hf_config(m, _dtype(whole), base), state, args.max_shard_size)
+    write_hf_dir(args.save_dir, hf_config(m, _dtype(whole), base), state, args.max_shard_bytes)
     ckpt.copy_tokenizer(tokenizer, args.save_dir)
     print(f"saved a {m.family} model in safetensors under {args.save_dir}")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Dict, List, Optional
@@ -106,6 +107,8 @@ def model_from_hf(config) -> Model:
     family = _family(config)
     _check_layout(config)
     params = config.rope_parameters
+    _require(float(params["rope_theta"]).is_integer(),
+             f"rope_theta {params['rope_theta']}: Megatron's --rotary-base takes a whole number")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return Model(family=family, num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
                  ffn_hidden_size=config.intermediate_size, heads=config.num_attention_heads,
@@ -199,6 +202,11 @@ def _rope_from_args(a: dict) -> RopeScaling:
 def model_from_args(saved: dict, family: str, vocab: Optional[int]) -> Model:
     """The Model a checkpoint of this trainer records (`vocab`: its true vocabulary, if known)."""
     _check_trainer_layout(saved)
+    # Qwen2 always has q/k/v biases and the others never: a mismatch would drop them or invent zeros
+    biased = bool(saved.get("add_qkv_bias"))
+    _require(biased == (family == "qwen2"), f"--hf-family {family}: the checkpoint {'has' if biased else 'lacks'} "
+                                            f"q/k/v biases, which {ARCHITECTURE[family]} "
+                                            f"{'cannot hold' if biased else 'needs'}")
     _require("norm_epsilon" in saved, "the checkpoint does not record norm_epsilon and the rope settings "
                                       "(saved by an older version): it cannot be described for export")
     return Model(family=family, num_layers=saved["num_layers"], hidden_size=saved["hidden_size"],
@@ -207,7 +215,7 @@ def model_from_args(saved: dict, family: str, vocab: Optional[int]) -> Model:
                  vocab=vocab or saved.get("true_vocab_size") or saved["padded_vocab_size"],
                  max_positions=saved["max_position_embeddings"], norm_epsilon=saved["norm_epsilon"],
                  rotary_base=float(saved["rotary_base"]), rotary_percent=saved["rotary_percent"],
-                 tied=not saved["untie_embeddings_and_output_weights"], qkv_bias=bool(saved.get("add_qkv_bias")),
+                 tied=not saved["untie_embeddings_and_output_weights"], qkv_bias=biased,
                  rope=_rope_from_args(saved))
 
 
@@ -216,13 +224,13 @@ def pretrain_flags(m: Model, divisible_by: int) -> List[str]:
     flags = [f"--num-layers {m.num_layers}", f"--hidden-size {m.hidden_size}", f"--ffn-hidden-size {m.ffn_hidden_size}",
              f"--num-attention-heads {m.heads}", f"--kv-channels {m.head_dim}",
              f"--max-position-embeddings {m.max_positions}", "--position-embedding-type rope",
-             f"--rotary-base {m.rotary_base:g}", "--normalization RMSNorm", f"--norm-epsilon {m.norm_epsilon:g}",
+             f"--rotary-base {int(m.rotary_base)}", "--normalization RMSNorm", f"--norm-epsilon {m.norm_epsilon!r}",
              "--swiglu", "--disable-bias-linear", f"--vocab-size {m.vocab}",
              f"--make-vocab-size-divisible-by {divisible_by}"]
     if m.groups != m.heads:
         flags.append(f"--group-query-attention --num-query-groups {m.groups}")
     if m.rotary_percent != 1.0:
-        flags.append(f"--rotary-percent {m.rotary_percent:g}")
+        flags.append(f"--rotary-percent {m.rotary_percent!r}")
     if not m.tied:
         flags.append("--untie-embeddings-and-output-weights")
     if m.qkv_bias:
@@ -231,12 +239,13 @@ def pretrain_flags(m: Model, divisible_by: int) -> List[str]:
 
 
 def _rope_flags(s: RopeScaling) -> List[str]:
-    flags = [] if s.interpolation == 1.0 else [f"--rotary-seq-len-interpolation-factor {s.interpolation:g}"]
+    # floats as repr: the shortest text that parses back to the same number (":g" keeps 6 digits)
+    flags = [] if s.interpolation == 1.0 else [f"--rotary-seq-len-interpolation-factor {s.interpolation!r}"]
     if s.kind == "llama3":
-        flags.append(f"--use-rope-scaling --rope-scaling-factor {s.factor:g}")
+        flags.append(f"--use-rope-scaling --rope-scaling-factor {s.factor!r}")
     if s.kind == "yarn":
-        flags.append(f"--rope-type yarn --rotary-scaling-factor {s.factor:g} --beta-fast {s.beta_fast:g} "
-                     f"--beta-slow {s.beta_slow:g} --mscale {s.mscale:g} --mscale-all-dim {s.mscale_all_dim:g}")
+        flags.append(f"--rope-type yarn --rotary-scaling-factor {s.factor!r} --beta-fast {s.beta_fast!r} "
+                     f"--beta-slow {s.beta_slow!r} --mscale {s.mscale!r} --mscale-all-dim {s.mscale_all_dim!r}")
     if s.kind != "rope":
         flags.append(f"--original-max-position-embeddings {s.context()}")
     return flags
@@ -269,7 +278,10 @@ def read_hf_weights(path: str) -> Dict[str, torch.Tensor]:
 
     state = {}
     for name in _weight_files(path):
-        state.update(load_file(os.path.join(path, name)))
+        try:
+            state.update(load_file(os.path.join(path, name)))
+        except Exception as err:  # safetensors' own error type (a truncated file) is no OSError
+            raise ConvertError(f"--load-dir {path}: cannot read {name} ({str(err).splitlines()[0]})") from None
     return state
 
 
@@ -277,13 +289,58 @@ def _weight_files(path: str) -> List[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
-            return sorted(set(json.load(f)["weight_map"].values()))
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        missing = [n for n in files if not os.path.isfile(os.path.join(path, n))]
+        _require(not missing, f"--load-dir {path}: the index names {', '.join(missing)}, which is not there")
+        return files
     _require(os.path.isfile(os.path.join(path, "model.safetensors")),
              f"--load-dir {path}: no model.safetensors or model.safetensors.index.json (only safetensors are read)")
     return ["model.safetensors"]
 
 
-def write_hf_dir(path: str, config, state: Dict[str, torch.Tensor], max_shard_size: str = "5GB") -> None:
+def hf_shapes(m: Model) -> Dict[str, tuple]:
+    """Every tensor a Hugging Face checkpoint of `m` holds, with its shape."""
+    h, q, kv, f = m.hidden_size, m.heads * m.head_dim, m.groups * m.head_dim, m.ffn_hidden_size
+    shapes = {"model.embed_tokens.weight": (m.vocab, h), "model.norm.weight": (h,)}
+    if not m.tied:
+        shapes["lm_head.weight"] = (m.vocab, h)
+    layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+             "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+             "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
+             "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)}
+    if m.qkv_bias:
+        layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
+    for i in range(m.num_layers):
+        shapes.update({f"model.layers.{i}.{name}": shape for name, shape in layer.items()})
+    return shapes
+
+
+def check_weights(state: Dict[str, torch.Tensor], m: Model) -> None:
+    """The safetensors hold exactly the tensors config.json describes, each of its shape (RoPE's
+    inverse frequencies, which some older checkpoints store, are recomputed and ignored)."""
+    want = hf_shapes(m)
+    missing = [n for n in want if n not in state]
+    extra = [n for n in state if n not in want and not n.endswith("rotary_emb.inv_freq")]
+    wrong = [f"{n} is {list(state[n].shape)}, not {list(s)}" for n, s in want.items()
+             if n in state and tuple(state[n].shape) != s]
+    for problems, what in ((missing, "lack"), (extra, "hold tensors config.json does not describe:"),
+                           (wrong, "disagree with config.json:")):
+        _require(not problems, f"the safetensors {what} {', '.join(problems[:3])}"
+                               f"{f' (and {len(problems) - 3} more)' if len(problems) > 3 else ''}")
+
+
+_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}  # Hugging Face's shard-size units
+
+
+def shard_size_bytes(text: str) -> int:
+    """'5GB' -> 5 * 10**9, as Hugging Face reads --max-shard-size, checked before any work."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([KMGT]B)\s*", text, re.IGNORECASE)
+    _require(match is not None and float(match[1]) > 0,
+             f"--max-shard-size {text!r}: expected a size like 5GB or 500MB")
+    return int(float(match[1]) * _UNITS[match[2].upper()])
+
+
+def write_hf_dir(path: str, config, state: Dict[str, torch.Tensor], max_shard_size: int = 5 * 10**9) -> None:
     """config.json and safetensors shards (with their index when more than one)."""
     from huggingface_hub import save_torch_state_dict
 
