@@ -289,7 +289,7 @@ def load_checkpoint(args, state, pgs) -> bool:
     obj = torch.load(os.path.join(rank_dir, "model_optim_rng.pt"), map_location="cpu", weights_only=False)
     check_args(recorded(obj["args"]), args)
     for key, model in zip(model_keys(state.model), unwrap(state.model)):
-        model.load_state_dict(obj[key], strict=True)
+        model.load_state_dict(local_layer_names(obj[key]), strict=True)
     state.optimizer.reload_model_params()
     if os.path.basename(path) == RELEASE or args.finetune:
         return True
@@ -386,3 +386,40 @@ def check_args(saved: dict, args) -> None:
     for key, value in saved.items():
         if key in MUST_MATCH and getattr(args, key) != value:
             raise ValueError(f"checkpoint has {key}={value} but this run has {getattr(args, key)}")
+
+
+# ---- Transformer Engine's names ---------------------------------------------------------------------
+LAYERS = "decoder.layers."
+
+
+def local_layer_names(model: dict) -> dict:
+    """A torch-format model state under the local layers' names. Megatron-LM's GPU default,
+    Transformer Engine layers, keeps each norm inside the fused linear module that applies it
+    (linear_qkv.layer_norm_weight for input_layernorm.weight) and an `_extra_state` entry per
+    module (FP8 metadata, no weights): the names are mapped and those entries dropped."""
+    fused, out = fused_norm_names(), {}
+    for key, value in model.items():
+        if key.endswith("._extra_state"):
+            continue
+        if key.startswith(LAYERS):
+            index, name = key[len(LAYERS):].split(".", 1)
+            key = f"{LAYERS}{index}.{module_name(name, fused)}"
+        out[key] = value
+    return out
+
+
+def fused_norm_names() -> dict:
+    """{local module prefix: Transformer Engine's prefix}, as megatron-core's local spec maps them
+    (its sharded_state_dict_keys_map, which is also how torch_dist stores the local layers' norms,
+    so either implementation reads the other's checkpoints)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(normalization="RMSNorm").submodules.sharded_state_dict_keys_map
+
+
+def module_name(stored: str, fused_names: dict) -> str:
+    """A layer's parameter name under the local spec from its name under Transformer Engine's."""
+    for module, fused in fused_names.items():
+        if stored.startswith(fused):
+            return module + stored[len(fused):]
+    return stored

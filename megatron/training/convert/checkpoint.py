@@ -18,8 +18,8 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from megatron.training.checkpointing import (
-    CHECKPOINT_VERSION, FORMAT_FILE, HF_CONFIG, RELEASE, TOKENIZER_DIR, atomic_torch_save, atomic_write_text,
-    latest_checkpoint, publish_tree, recorded)
+    CHECKPOINT_VERSION, FORMAT_FILE, HF_CONFIG, LAYERS, RELEASE, TOKENIZER_DIR, atomic_torch_save, atomic_write_text,
+    fused_norm_names, latest_checkpoint, local_layer_names, module_name, publish_tree, recorded)
 from megatron.training.convert.hf import TOKENIZER_FILES, ConvertError
 from megatron.training.convert.layout import unshard
 
@@ -107,23 +107,8 @@ def _read_torch(path: str) -> Tuple[dict, Dict[Tuple[int, int], dict], int, int]
         if not isinstance(obj.get("args"), argparse.Namespace) or "model" not in obj:
             raise ConvertError(f"{path}/{d}: not a checkpoint of one model chunk with its arguments (a "
                                f"virtual-pipeline one has model0, model1, ...)")
-        ranks[(int(t), int(p or 0))], saved = _local_names(obj["model"]), recorded(obj["args"])
+        ranks[(int(t), int(p or 0))], saved = local_layer_names(obj["model"]), recorded(obj["args"])
     return saved, ranks, tp, pp
-
-
-def _local_names(model: dict) -> dict:
-    """A rank's model under the local spec's names: Megatron-LM's GPU default, Transformer Engine
-    layers, names the norms by the fused modules holding them and keeps `_extra_state` entries
-    (FP8 metadata, no weights), which are dropped."""
-    fused, out = _fused_names(), {}
-    for key, value in model.items():
-        if key.endswith("._extra_state"):
-            continue
-        if key.startswith(_LAYERS):
-            index, name = key[len(_LAYERS):].split(".", 1)
-            key = f"{_LAYERS}{index}.{_module_name(name, fused)}"
-        out[key] = value
-    return out
 
 
 # Stored beside the model in a torch_dist checkpoint (dist_ckpt.py): not model tensors.
@@ -144,32 +129,11 @@ def _read_torch_dist(path: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
               for key, meta in reader.read_metadata().state_dict_metadata.items()
               if isinstance(meta, TensorStorageMetadata) and not key.startswith(_NOT_MODEL)}
     load(stored, storage_reader=reader, no_dist=True)
-    whole, fused_names = {}, _fused_names()
+    whole, fused_names = {}, fused_norm_names()
     for key, value in stored.items():
-        if key.startswith(_LAYERS):  # [layers, ...] -> one tensor per layer
-            name = _module_name(key[len(_LAYERS):], fused_names)
-            whole.update({f"{_LAYERS}{i}.{name}": layer for i, layer in enumerate(value.unbind(0))})
+        if key.startswith(LAYERS):  # [layers, ...] -> one tensor per layer
+            name = module_name(key[len(LAYERS):], fused_names)
+            whole.update({f"{LAYERS}{i}.{name}": layer for i, layer in enumerate(value.unbind(0))})
         elif not (_tied(saved) and key == "output_layer.weight"):  # a tied output layer is the embedding
             whole[key] = value
     return saved, whole
-
-
-_LAYERS = "decoder.layers."
-
-
-def _fused_names() -> dict:
-    """megatron-core stores the local layer's norms under Transformer Engine's fused names (its
-    spec's sharded_state_dict_keys_map: input_layernorm.weight as
-    self_attention.linear_qkv.layer_norm_weight), so either implementation reads the other's
-    checkpoints. {module prefix: stored prefix}, as megatron-core's local spec has it."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    return get_gpt_layer_local_spec(normalization="RMSNorm").submodules.sharded_state_dict_keys_map
-
-
-def _module_name(stored: str, fused_names: dict) -> str:
-    """A layer's parameter name from its torch_dist key: the inverse of `fused_names`."""
-    for module, fused in fused_names.items():
-        if stored.startswith(fused):
-            return module + stored[len(fused):]
-    return stored

@@ -199,7 +199,7 @@ INDEPENDENT_PROBLEMS = (
 )
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="--transformer-impl and --record-memory-history need no fix there")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="--record-memory-history is valid there")
 def test_every_problem_of_a_command_line_at_once():
     """The command line with all of them reports exactly what each reports alone: none is hidden
     behind another of its group, and none adds a consequence of another."""

@@ -126,11 +126,12 @@ def test_schedule_settings_on_load_as_megatron_chooses_them(tmp_path, flag, lr):
     assert resumed.scheduler.max_lr == lr
 
 
-def write_megatron_checkpoint(root, directory, state, args, tracker):
+def write_megatron_checkpoint(root, directory, state, args, tracker, te_names=False):
     """Megatron-LM's torch layout, from the facts of its checkpointing.py: <dir>/iter_XXXXXXX (or
     release)/mp_rank_00/model_optim_rng.pt holding the argparse Namespace `args` (consumed samples
     inside), checkpoint_version 3.0, iteration, model, optimizer, opt_param_scheduler, rng_state (a
-    list of per-replica dicts) and num_floating_point_operations_so_far."""
+    list of per-replica dicts) and num_floating_point_operations_so_far. `te_names`: as Transformer
+    Engine layers (Megatron-LM's GPU default) name the norms, with an _extra_state per module."""
     import argparse
     import random
 
@@ -147,7 +148,7 @@ def write_megatron_checkpoint(root, directory, state, args, tracker):
     path = root / directory / "mp_rank_00"
     path.mkdir(parents=True)
     torch.save({"args": namespace, "checkpoint_version": 3.0, "iteration": 3,
-                "model": state.model[0].module.state_dict(),
+                "model": (_te_named if te_names else dict)(state.model[0].module.state_dict()),
                 "optimizer": megatron_core_optimizer(unwrap(state.model), args)[0].state_dict(),
                 "opt_param_scheduler": state.scheduler.state_dict(), "rng_state": [rng],
                 "num_floating_point_operations_so_far": 123.0}, path / "model_optim_rng.pt")
@@ -174,10 +175,18 @@ def test_megatron_torch_checkpoint_loads(tmp_path):
             assert torch.equal(fresh.model[0].state_dict()[key], value), key
 
     release = tmp_path / "rel"
-    write_megatron_checkpoint(release, "release", state, args, "release")
+    write_megatron_checkpoint(release, "release", state, args, "release", te_names=True)
     args3, _, fresh = make_state(release, "--ckpt-format torch")
     assert load_checkpoint(args3, fresh, pgs) and fresh.iteration == 0 and fresh.consumed_train_samples == 0
     assert torch.equal(fresh.optimizer.buffer.param_data, state.optimizer.buffer.param_data)  # released weights
+
+
+def _te_named(model: dict) -> dict:
+    fused = {f".{n}.weight": f".{m}.layer_norm_weight" for n, m in (("input_layernorm", "self_attention.linear_qkv"),
+                                                                     ("pre_mlp_layernorm", "mlp.linear_fc1"))}
+    renamed = {next((k.replace(a, b) for a, b in fused.items() if k.endswith(a)), k): v for k, v in model.items()}
+    assert len([k for k in renamed if k.endswith("layer_norm_weight")]) == 2 * 2  # two layers' two norms
+    return {**renamed, "decoder.layers.0.self_attention.linear_qkv._extra_state": None}
 
 
 # ---- the distributed optimizer in Megatron's layout (distrib_optim.pt) --------------------------

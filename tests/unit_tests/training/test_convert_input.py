@@ -54,6 +54,9 @@ def _edited(tmp_path, name: str, edit) -> str:
     return path
 
 
+K_PROJ, Q_BIAS = "model.layers.0.self_attn.k_proj.weight", "model.layers.1.self_attn.q_proj.bias"
+
+
 def _damaged_inputs(tmp_path):
     sharded = tmp_path / "sharded"
     transformers.AutoModelForCausalLM.from_pretrained(save_hf(tmp_path / "whole", "llama", "default")).save_pretrained(
@@ -70,11 +73,9 @@ def _damaged_inputs(tmp_path):
     return {
         "shard gone": (hf + [sharded], f"the index names {shards[0]}, which is not there"),
         "truncated": (hf + [truncated], "cannot read model.safetensors"),
-        "first layer's k": (hf + [_edited(tmp_path, "no_k", lambda s: s.pop("model.layers.0.self_attn.k_proj.weight"))],
-                            "the safetensors lack model.layers.0.self_attn.k_proj.weight"),
-        "a bias llama has not": (
-            hf + [_edited(tmp_path, "bias", lambda s: s.update({"model.layers.1.self_attn.q_proj.bias": torch.zeros(64)}))],
-            "hold tensors config.json does not describe: model.layers.1.self_attn.q_proj.bias"),
+        "first layer's k": (hf + [_edited(tmp_path, "no_k", lambda s: s.pop(K_PROJ))], f"the safetensors lack {K_PROJ}"),
+        "a bias llama has not": (hf + [_edited(tmp_path, "bias", lambda s: s.update({Q_BIAS: torch.zeros(64)}))],
+                                 f"hold tensors config.json does not describe: {Q_BIAS}"),
         "config wider than weights": (hf + [wider], "model.layers.0.mlp.gate_proj.weight is [96, 64], not [128, 64]"),
         "shard size": (hf + [truncated, "--max-shard-size", "5 gigs"], "--max-shard-size '5 gigs'"),
     }
@@ -130,7 +131,8 @@ def test_a_checkpoint_with_transformer_engine_names_exports(tmp_path):
         obj["model"] = {_te_name(k): v for k, v in obj["model"].items()}
         obj["model"]["decoder.layers.0.self_attention.linear_qkv._extra_state"] = None
         torch.save(obj, path)
-    rc, _, err = run_convert("--loader", "megatron", "--saver", "hf", "--load-dir", ours, "--save-dir", tmp_path / "back")
+    rc, _, err = run_convert("--loader", "megatron", "--saver", "hf", "--load-dir", ours,
+                             "--save-dir", tmp_path / "back")
     assert rc == 0, err
     assert_bitwise(_files(hf_dir), _files(tmp_path / "back"))
 
@@ -153,7 +155,8 @@ def test_padded_rows_give_logit_zero_and_the_loss_counts_them_as_megatrons_does(
     model, _ = our_model(m)
     load_rank(model, to_ours(hf_dir, tmp_path / "ours"), 0, 0, 1)
     tokens = torch.randint(0, vocab, (2, SEQ), generator=torch.Generator().manual_seed(3))
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True).eval()(tokens).logits.detach()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True).eval()
+    theirs = hf(tokens).logits.detach()
     with torch.no_grad():
         ours = model(tokens, torch.arange(SEQ).expand(2, -1), None)
     assert_close_rel(ours[..., :vocab], theirs, "padded llama")
