@@ -40,8 +40,11 @@ def fusions(args) -> dict:
         bias_dropout_fusion=compiled and args.bias_dropout_fusion,
         masked_softmax_fusion=gpu and args.masked_softmax_fusion,
         gradient_accumulation_fusion=gpu and args.gradient_accumulation_fusion and _wgrad_fusion_present(args),
-        # bf16 only: the fused backward hands bf16 gradients of the logits whatever their dtype
-        cross_entropy_loss_fusion=gpu and args.bf16 and args.cross_entropy_loss_fusion is not False,
+        # bf16 only: the fused backward hands bf16 gradients of the logits whatever their dtype. Not
+        # under the planned allocator: the fused loss is torch.compile'd, and Inductor's autotuning
+        # may ask the allocator for statistics, which a pluggable allocator refuses with an error.
+        cross_entropy_loss_fusion=(gpu and args.bf16 and args.cross_entropy_loss_fusion is not False
+                                   and args.memo_allocator != "planned"),
         cross_entropy_fusion_impl=args.cross_entropy_fusion_impl,
     )
 

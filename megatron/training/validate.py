@@ -404,9 +404,8 @@ def _memo_args(args):
     require(args.memo or args.memo_allocator == "caching", "--memo-allocator planned needs --memo")
     if not args.memo:
         return
-    require(args.memo_allocator == "caching" or args.device_type == "cuda",
-            "--memo-allocator planned needs a CUDA device: it replaces torch's CUDA caching allocator "
-            "(on CPU, plan offline with tools/plan_memory.py)")
+    if args.memo_allocator == "planned":
+        _planned_allocator_args(args)
     if args.memo_swap_fraction != "auto":
         alpha = _number(args.memo_swap_fraction)
         if require(alpha is not None,
@@ -417,11 +416,26 @@ def _memo_args(args):
     require(args.hidden_dropout == 0.0,
             "--memo needs --hidden-dropout 0: recomputing a subset of tokens cannot redraw the full dropout mask")
     require(not args.sequence_parallel, "--memo does not support --sequence-parallel yet")
+    # Transformer Engine's layers save [s*b, h] views: no saved tensor has the tokens first, so
+    # MEMO would keep them all on the device (exact, but nothing saved)
+    require(args.transformer_impl == "local", "--memo manages the local layers' saved tensors: use "
+                                              "--transformer-impl local")
     require(args.memo_host_memory_gb > 0, "--memo-host-memory-gb must be positive")
     if args.memo_plan:
         _saved_plans(args.memo_plan, args.pipeline_model_parallel_size)
     require(args.num_layers // (args.pipeline_model_parallel_size * args.virtual_pipeline_chunks) >= 1,
             "--memo needs layers to manage")
+
+
+def _planned_allocator_args(args):
+    from megatron.longseq.memo.allocator import build_problem
+
+    require(args.device_type == "cuda", "--memo-allocator planned needs a CUDA device: it replaces torch's CUDA "
+                                        "caching allocator (on CPU, plan offline with tools/plan_memory.py)")
+    require(not args.record_memory_history, "--record-memory-history records torch's caching allocator, which "
+                                             "--memo-allocator planned replaces (a pluggable allocator keeps no history)")
+    problem = build_problem()
+    require(problem is None, f"--memo-allocator planned: {problem}")
 
 
 def _number(text: str) -> float | None:

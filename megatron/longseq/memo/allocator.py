@@ -28,6 +28,7 @@ import ctypes
 import hashlib
 import os
 import contextlib
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -47,13 +48,25 @@ _I64 = ctypes.c_int64
 INSTALLED: Optional["PlannedAllocator"] = None  # the process's CUDA allocator, once installed
 
 
+def build_problem() -> Optional[str]:
+    """Why the allocator could not be built here (None: it is built, or a compiler is there)."""
+    if _library_target().exists():
+        return None
+    compiler = os.environ.get("CC", "cc")
+    return None if shutil.which(compiler) else f"no C compiler ({compiler}) to build {SOURCE.name} with (set CC)"
+
+
+def _library_target() -> Path:
+    cache = Path(os.environ.get("MEGATRON_LONGSEQ_CACHE", Path.home() / ".cache" / "megatron-longseq"))
+    return cache / f"libmemo_arena-{hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:12]}.so"
+
+
 def library_path() -> Path:
     """The compiled allocator, built once per source version."""
-    source = SOURCE.read_bytes()
-    cache = Path(os.environ.get("MEGATRON_LONGSEQ_CACHE", Path.home() / ".cache" / "megatron-longseq"))
-    target = cache / f"libmemo_arena-{hashlib.sha1(source).hexdigest()[:12]}.so"
+    target = _library_target()
     if target.exists():
         return target
+    cache = target.parent
     cache.mkdir(parents=True, exist_ok=True)
     compiler = os.environ.get("CC", "cc")
     with tempfile.NamedTemporaryFile(dir=cache, suffix=".so", delete=False) as tmp:

@@ -378,9 +378,6 @@ static char *planned_alloc(int64_t size, void *stream) {
         return NULL;
     }
     int64_t offset = plan_offsets[position++];
-    /* torch asks for 0 bytes too (empty tensors) and keys its blocks by address: a planned empty
-       block may sit where a live one starts, so it takes the cache's 512 bytes of its own instead */
-    if (size == 0) return NULL;
     if (offset < 0 || stream != replay_stream) return NULL; /* outlives the iteration, or another stream's */
     char *p = arena + offset;
     reclaim_pending();
@@ -502,13 +499,18 @@ static void out_of_memory(ssize_t size) {
 void *arena_malloc(ssize_t size, int device, void *stream) {
     LOCK;
     if (backend_cuda) bind_context(device);
-    char *p = replaying ? planned_alloc(size, stream) : NULL;
+    /* torch's pluggable allocator asks for 0 bytes too (empty tensors), which its caching allocator
+       never sees: they are no request of any plan, whoever recorded it (the CUDA history, the CPU
+       tracer, this arena), nor recorded. torch keys its blocks by address, so each takes the
+       cache's 512 bytes of its own rather than a place a live block may start at. */
+    int empty = size == 0;
+    char *p = replaying && !empty ? planned_alloc(size, stream) : NULL;
     if (!p) p = cache_alloc(size, stream);
     if (!p && fatal_oom) out_of_memory(size);
     if (p) {
         stats[S_ALLOCATED] += size;
         if (stats[S_ALLOCATED] > stats[S_PEAK_ALLOCATED]) stats[S_PEAK_ALLOCATED] = stats[S_ALLOCATED];
-        record(0, (int64_t)(uintptr_t)p, size);
+        if (!empty) record(0, (int64_t)(uintptr_t)p, size);
     }
     UNLOCK;
     return p;
@@ -520,7 +522,7 @@ void arena_free(void *ptr, ssize_t size, int device, void *stream) {
     if (!p) return;
     LOCK;
     if (backend_cuda) bind_context(device); /* events may be recorded */
-    record(1, (int64_t)(uintptr_t)p, size);
+    if (size) record(1, (int64_t)(uintptr_t)p, size);
     stats[S_ALLOCATED] -= size;
     int64_t i = find_ptr(&live_arena, p);
     if (i >= 0) { /* the arena's memory is the plan's: reserved only while other streams use it */

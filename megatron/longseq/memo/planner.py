@@ -63,17 +63,19 @@ class MemoryPlan:
                        "replay": asdict(self.replay)}, f)
 
 
-PLAN_FORMAT = "memo-plan-2"
+PLAN_FORMAT = "memo-plan-3"  # 3: empty requests are no request of the plan
 
 
 def replay_of(trace: Trace, offsets: Dict[str, int], blocks: List[dsa.Block]) -> Replay:
-    """The composed plan as the allocator replays it (see Replay); `blocks` are the trace's."""
+    """The composed plan as the allocator replays it (see Replay); `blocks` are the trace's. Empty
+    requests are no request of the plan: torch's caching allocator never sees them (so neither
+    does its history), and the arena answers them from its cache (arena.c)."""
     outlives = {b.id for b in blocks if b.end == len(trace.events)}
     sizes, placed, marks = [], [], []
     for kind, tid, size in trace.events:
         if kind == "mark":
             marks.append((tid, len(sizes)))
-        elif kind == "malloc":
+        elif kind == "malloc" and size > 0:
             sizes.append(size)
             placed.append(-1 if tid in outlives else offsets[tid])
     extent = max((o + aligned(s) for s, o in zip(sizes, placed) if o >= 0), default=0)

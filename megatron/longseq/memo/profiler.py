@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
 import statistics
 import time
 from typing import Callable, List, Optional, Tuple
@@ -165,12 +166,21 @@ HISTORY = dict(enabled="all", context=None, stacks="python", max_entries=1_000_0
                skip_actions=["free_completed", "segment_alloc", "segment_free", "snapshot"])
 
 
+def history_settings() -> dict:
+    """HISTORY less what this torch's recorder does not take (skip_actions is recent): the skipped
+    kinds then fill more of the ring, and the trace passes over them itself."""
+    accepted = inspect.signature(torch.cuda.memory._record_memory_history).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        return dict(HISTORY)
+    return {key: value for key, value in HISTORY.items() if key in accepted}
+
+
 def _traced(run_microbatch, device, marks, trace: Trace) -> Trace:
     if device.type != "cuda":
         with AllocationTracer(trace):
             run_microbatch()
         return trace
-    torch.cuda.memory._record_memory_history(**HISTORY)
+    torch.cuda.memory._record_memory_history(**history_settings())
     try:  # recording stops whatever happens: left on, it would slow down every later allocation
         run_microbatch()
         torch.cuda.synchronize(device)

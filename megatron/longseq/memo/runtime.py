@@ -153,7 +153,10 @@ class Memo:
             self.measuring, self.reading, self.forwards, self.last, self.tail = None, None, 0, None, None
 
     def allocate(self, buffer_bytes: int, blocks: int, block_bytes: int) -> None:
-        """The two rounding buffers and the host pool, once, before training."""
+        """The two rounding buffers and the host pool, once, before training: replacing them would
+        free memory the side streams may still be copying to or from."""
+        if self.pool is not None:
+            raise RuntimeError("MEMO's rounding buffers and host pool are allocated once, before training")
         self.buffers = RoundingBuffers(max(buffer_bytes, self.resident_bytes), self.device)
         self.pool = HostPool(blocks, block_bytes, pin=self.cuda)
 

@@ -346,7 +346,7 @@ def test_an_empty_tensor_gets_an_address_no_live_block_has():
     """torch asks a pluggable allocator for 0 bytes too (an empty tensor) and keys its blocks by
     address: an empty block planned at a live block's start (the greedy planner puts every empty
     one at the window's base) would give torch one address twice, and it aborts at the second
-    free. The empty request keeps its place in the plan and takes 512 bytes of the cache."""
+    free. The empty request is no request of the plan and takes 512 bytes of the cache."""
     trace = Trace()
     trace.mark("begin fwd L1")
     trace.events += [("malloc", "big", 1 << 20), ("malloc", "empty", 0), ("free", "empty", 0),
@@ -362,6 +362,26 @@ def test_an_empty_tensor_gets_an_address_no_live_block_has():
     assert replay.addresses["after"] == alloc.base + plan.offsets["after"]  # the plan goes on
     stats = alloc.stats()
     assert stats["divergences"] == 0 and stats["planned_allocs"] == 2
+
+
+def test_a_plan_replays_whether_or_not_its_recorder_saw_empty_requests(traced):
+    """On a GPU the pluggable allocator is asked for every empty tensor (MEMO makes three per
+    managed layer, at each window's start), which torch's caching allocator, and so its history,
+    never sees: a plan traced there must replay in full against requests that include them."""
+    trace, plan = traced
+    with_empty = Trace()
+    for i, event in enumerate(trace.events):
+        with_empty.events.append(event)
+        if event[0] == "mark":
+            with_empty.events += [("malloc", f"empty{i}", 0), ("free", f"empty{i}", 0)]
+    alloc = PlannedAllocator("heap")
+    alloc.load(plan.replay)
+    replay = Replayer(alloc)
+    replay.iteration(with_empty)
+    stats = alloc.stats()
+    assert stats["divergences"] == 0 and stats["planned_allocs"] == len(_placed(trace))
+    for tid in _placed(trace):
+        assert replay.addresses[tid] == alloc.base + plan.offsets[tid], tid
 
 
 def test_nccl_is_asked_to_hold_its_tensors_only_where_torch_does_not_by_default():

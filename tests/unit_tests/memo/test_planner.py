@@ -135,6 +135,16 @@ def test_the_cuda_history_records_no_tracebacks_and_stops_whatever_happens(monke
     assert calls[1:] == [{"enabled": None}]
 
 
+def test_a_torch_without_skip_actions_records_every_kind(monkeypatch):
+    """skip_actions is recent; a recorder without it gets the rest (the trace skips those kinds)."""
+    from megatron.longseq.memo import profiler
+
+    def older(enabled="all", context="all", stacks="all", max_entries=1, device=None, clear_history=False):
+        pass
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", older)
+    assert profiler.history_settings() == {k: v for k, v in profiler.HISTORY.items() if k != "skip_actions"}
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="the allocator history exists on a GPU only"))])
 def test_every_layer_window_is_in_the_trace_on_each_device(device):

@@ -446,6 +446,8 @@ def test_buffers_and_pool_are_sized_once_and_refuse_to_grow():
     longer = tiny_args(CASES["gqa-rope-swiglu-rms"] + " --seq-length 64")
     with pytest.raises(MemoCapacityError, match="rounding buffer"):
         lm_loss(model, longer).backward()
+    with pytest.raises(RuntimeError, match="allocated once"):  # the side streams may still use the old ones
+        memo.allocate(memo.buffers.nbytes, memo.pool.blocks, memo.pool.block_bytes)
 
 
 def test_eval_forward_is_untouched():

@@ -58,6 +58,22 @@ def test_the_backend_decides_the_device_on_a_gpu_machine(monkeypatch):
     assert args_for(world=4).global_batch_size == 8  # default: micro batch x dp
 
 
+def test_what_the_planned_allocator_cannot_serve_is_refused_on_a_gpu_machine(monkeypatch, tmp_path):
+    """A pluggable allocator keeps no history (torch errors at the first snapshot), it is compiled
+    at start-up, and MEMO manages the local layers only."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("MEGATRON_LONGSEQ_CACHE", str(tmp_path))  # nothing built there yet
+    monkeypatch.setenv("CC", "no-such-compiler")
+    planned = "--memo --hidden-dropout 0 --memo-allocator planned"
+    assert error_of(f"{planned} --record-memory-history --transformer-impl transformer_engine").split("; ")[-3:] == [
+        "--record-memory-history records torch's caching allocator, which --memo-allocator planned replaces "
+        "(a pluggable allocator keeps no history)",
+        "--memo-allocator planned: no C compiler (no-such-compiler) to build arena.c with (set CC)",
+        "--memo manages the local layers' saved tensors: use --transformer-impl local"]
+    monkeypatch.setenv("CC", "cc")
+    assert args_for(planned).memo_allocator == "planned"
+
+
 def test_interleaved_groups_larger_than_the_pipeline_are_refused_on_nccl(monkeypatch):
     """A model of NCCL's queues finds deadlocks for such groups (see validate.py); gloo runs
     them, and groups of exactly the pipeline size run on both."""
@@ -190,7 +206,7 @@ def test_missing_required_flag(missing):
 # checkpoints), each independent of the others: a user who makes them all hears of them all at once.
 INDEPENDENT_PROBLEMS = (
     "--position-embedding-type rope --rotary-percent 0.1", "--max-position-embeddings 64", "--hidden-dropout 1.0",
-    "--ffn-hidden-size 65", "--transformer-impl transformer_engine", "--selective-checkpoint-pp",
+    "--ffn-hidden-size 65", "--cross-entropy-fusion-impl te", "--selective-checkpoint-pp",
     "--fp16 --loss-scale -1 --hysteresis 0", "--overlap-param-gather",
     "--min-lr 1", "--log-interval 0", "--eval-interval 0",
     "--recompute-method uniform", "--cross-entropy-chunk-tokens -1",
@@ -242,7 +258,7 @@ def test_a_saved_plan_of_another_format_is_refused(tmp_path):
     old = tmp_path / "plan.json"
     old.write_text('{"format": "memo-plan-1", "windows": {}}')
     message = error_of(f"--memo --hidden-dropout 0 --memo-plan {old}")
-    assert message == f"--memo-plan: {old} is not a MEMO memory plan of this version (memo-plan-2): plan again"
+    assert message == f"--memo-plan: {old} is not a MEMO memory plan of this version (memo-plan-3): plan again"
     old.write_text("{")
     assert error_of(f"--memo --hidden-dropout 0 --memo-plan {old}").startswith("--memo-plan: Expecting")
 

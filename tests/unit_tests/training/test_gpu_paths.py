@@ -284,6 +284,9 @@ def test_fusion_flags_and_the_cases_megatron_core_refuses():
     assert not transformer_config(_on_gpu("")).cross_entropy_loss_fusion  # fp32: bf16 logit gradients
     memo = transformer_config(_on_gpu("--bf16 --swiglu --memo"))
     assert not memo.bias_activation_fusion and not memo.bias_dropout_fusion and memo.cross_entropy_loss_fusion
+    planned = _on_gpu("--bf16 --swiglu --memo")
+    planned.memo_allocator = "planned"  # validation refuses it on a machine without CUDA
+    assert not transformer_config(planned).cross_entropy_loss_fusion  # compiled: may ask the allocator for stats
 
 
 def test_fused_weight_gradients_accumulate_once_and_release_their_bucket(monkeypatch):
