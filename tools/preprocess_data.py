@@ -62,7 +62,7 @@ class Encoder:
                 ids = [int(t) for t in text.split()]  # NullTokenizer has no text form
             else:
                 ids = list(Encoder.tokenizer.tokenize(text))
-            if self.args.append_eod:
+            if self.args.append_eod and ids:  # an empty text stays empty: no lone EOD, as Megatron
                 ids.append(Encoder.tokenizer.eod)
             out[key] = ids
         return out, len(line)
@@ -90,8 +90,9 @@ def main(argv=None):
         for encoded, size in results:
             docs, nbytes = docs + 1, nbytes + size
             for key, ids in encoded.items():
-                if ids:
-                    builders[key].add_document(np.asarray(ids, dtype=dtype), [len(ids)])
+                # every line is a document of every key (an empty one holds no sequence), so the
+                # keys' datasets stay aligned by index, as Megatron's do
+                builders[key].add_document(np.asarray(ids, dtype=dtype), [len(ids)] if ids else [])
             if docs % args.log_interval == 0:
                 mb = nbytes / 1024 / 1024
                 print(f"processed {docs} documents ({mb / (time.time() - start):.2f} MB/s)", flush=True)

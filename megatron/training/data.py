@@ -75,12 +75,31 @@ class PretrainingSampler:
             yield list(range(start + lo, start + lo + self.mbs))
 
 
+# What a batch carries: the sample's per-token tensors, each [S]. A blend of datasets (--data-path
+# with several prefixes or weights) adds `dataset_id`, a scalar naming the sample's source, which no
+# per-token slice can take; Megatron reads its batch by name and never meets it.
+PER_TOKEN = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+class PerToken(torch.utils.data.Dataset):
+    """A dataset's samples reduced to their PER_TOKEN tensors."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        return {key: value for key, value in self.dataset[i].items() if key in PER_TOKEN}
+
+
 def build_loader(dataset, consumed_samples: int, args, pgs, eod: Optional[int] = None) -> Optional[Iterator]:
     """This data-parallel rank's micro-batches from `consumed_samples` on; `eod` (the tokenizer's)
     finds the packed documents under --reset-attention-mask."""
     if dataset is None or len(dataset) == 0:
         return None
-    collate = None
+    dataset, collate = PerToken(dataset), None
     if pgs.size("cp") > 1 or args.reset_attention_mask:  # this rank's tokens, in its attention mode's order
         dataset = RankTokens(dataset, token_placement(args, pgs), eod if args.reset_attention_mask else None,
                              segment_partitioner(args))

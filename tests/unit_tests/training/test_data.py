@@ -118,6 +118,21 @@ def test_null_tokenizer_corpus_of_ids(tmp_path):
     assert ds[1].tolist() == [1, 2, 3, 4, 5, 100]
 
 
+@pytest.mark.parametrize("eod", [True, False])
+def test_an_empty_text_is_an_empty_document_of_every_key(tmp_path, eod):
+    """No lone EOD (a spurious EOD EOD pair in the packed stream), and with several keys every
+    line is one document of each, so their datasets stay aligned by index."""
+    lines = [{"text": "1 2 3", "title": "7"}, {"text": "", "title": "8"}, {"text": "4 5", "title": "9"}]
+    (tmp_path / "docs.jsonl").write_text("\n".join(json.dumps(line) for line in lines))
+    preprocess_data.main(["--input", str(tmp_path / "docs.jsonl"), "--output-prefix", str(tmp_path / "d"),
+                          "--json-keys", "text", "title", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+                         + (["--append-eod"] if eod else []))
+    text, title = (IndexedDataset(str(tmp_path / f"d_{key}_document")) for key in ("text", "title"))
+    end = [100] if eod else []
+    assert [text[i].tolist() for i in range(len(text))] == [[1, 2, 3] + end, [4, 5] + end]
+    assert text.document_indices.tolist() == [0, 1, 1, 2] and len(title.document_indices) == 4
+
+
 def test_passkey_samples_hide_the_key_early_and_ask_for_it_last():
     from megatron.training.passkey import FILLER_START, KEY_IDS, KEY_START, QUERY, PasskeyDataset
 
@@ -196,3 +211,32 @@ def test_packed_micro_batches_choose_their_own_segments(workers):
                 assert torch.equal(batch["tokens"][b], sample["tokens"][want])
                 assert torch.equal(batch["position_ids"][b], want)
     assert len(seen) > 1  # the documents did move the segments
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_weighted_blend_of_corpora_reaches_the_batch(corpus, tmp_path, packed):
+    """--data-path 0.3 A 0.7 B: megatron-core's blend adds the sample's source (`dataset_id`, a
+    scalar) to each sample; the batch holds the per-token tensors only, whole or placed by documents."""
+    from megatron.training.data import build_loader
+    from tests.unit_tests.dist_utils import init_single_rank_world
+    from tests.unit_tests.model_utils import tiny_args
+
+    init_single_rank_world()  # megatron-core's blend builder asks for the rank
+    root, _ = corpus
+    prefixes = []
+    for name in ("a", "b"):
+        preprocess_data.main(["--input", str(root / "corpus.jsonl"), "--output-prefix", str(tmp_path / name),
+                              "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(root / "vocab.json"),
+                              "--merge-file", str(root / "merges.txt"), "--append-eod"])
+        prefixes.append(str(tmp_path / f"{name}_text_document"))
+    tok = build_tokenizer(tok_args(root, "GPT2BPETokenizer"))
+    args = tiny_args("--seq-length 16" + (" --reset-attention-mask --reset-position-ids" if packed else ""))
+    args.data_path, args.split, args.data_cache_path = ["0.3", prefixes[0], "0.7", prefixes[1]], "100,0,0", None
+    args.mock_data = False
+    train, _, _ = build_datasets(args, tok, [8, 0, 0])
+    assert "dataset_id" in train[0]  # what the blend adds
+    pgs = SimpleNamespace(size=lambda axis: 1, index=lambda axis: 0)
+    batch = next(build_loader(train, 0, args, pgs, tok.eod))
+    per_token = {"tokens", "labels", "loss_mask", "position_ids"}
+    assert set(batch) == per_token | ({DOCUMENT_STARTS} if packed else set())
+    assert all(batch[k].shape == (args.micro_batch_size, 16) for k in per_token)
