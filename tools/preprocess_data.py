@@ -41,6 +41,11 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if not os.path.isfile(args.input):
         p.error(f"--input: cannot read {args.input}")
+    needs = {"GPT2BPETokenizer": ("vocab_file", "merge_file"), "HuggingFaceTokenizer": ("tokenizer_model",),
+             "NullTokenizer": ("vocab_size",)}[args.tokenizer_type]
+    missing = [f"--{name.replace('_', '-')}" for name in needs if getattr(args, name) is None]
+    if missing:
+        p.error(f"--tokenizer-type {args.tokenizer_type} needs {' and '.join(missing)}")
     return args
 
 

@@ -109,6 +109,17 @@ def test_preprocess_writes_what_gpt_dataset_reads(corpus, tmp_path, workers):
     assert valid is None and test is None and len(train) >= 10
 
 
+@pytest.mark.parametrize("kind, missing", [("GPT2BPETokenizer", "--vocab-file and --merge-file"),
+                                           ("HuggingFaceTokenizer", "--tokenizer-model"),
+                                           ("NullTokenizer", "--vocab-size")])
+def test_preprocess_names_the_tokenizer_files_it_lacks(tmp_path, capsys, kind, missing):
+    (tmp_path / "in.jsonl").write_text('{"text": "1 2"}')
+    with pytest.raises(SystemExit):
+        preprocess_data.main(["--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "o"),
+                              "--tokenizer-type", kind])
+    assert capsys.readouterr().err.strip().endswith(f"--tokenizer-type {kind} needs {missing}")
+
+
 def test_null_tokenizer_corpus_of_ids(tmp_path):
     (tmp_path / "ids.jsonl").write_text("\n".join(json.dumps({"text": " ".join(map(str, range(i, i + 5)))})
                                                   for i in range(3)))
