@@ -289,7 +289,7 @@ def load_checkpoint(args, state, pgs) -> bool:
     obj = torch.load(os.path.join(rank_dir, "model_optim_rng.pt"), map_location="cpu", weights_only=False)
     check_args(recorded(obj["args"]), args)
     for key, model in zip(model_keys(state.model), unwrap(state.model)):
-        model.load_state_dict(local_layer_names(obj[key]), strict=True)
+        model.load_state_dict(_in_model_names(model, obj[key]), strict=True)
     state.optimizer.reload_model_params()
     if os.path.basename(path) == RELEASE or args.finetune:
         return True
@@ -390,6 +390,13 @@ def check_args(saved: dict, args) -> None:
 
 # ---- Transformer Engine's names ---------------------------------------------------------------------
 LAYERS = "decoder.layers."
+
+
+def _in_model_names(model, saved: dict) -> dict:
+    """`saved` as `model` names its layers: a model of local layers reads Transformer Engine's
+    names; one of Transformer Engine's layers reads its own as they are."""
+    local = any(name.endswith("input_layernorm.weight") for name in model.state_dict())
+    return local_layer_names(saved) if local else saved
 
 
 def local_layer_names(model: dict) -> dict:

@@ -181,6 +181,19 @@ def test_megatron_torch_checkpoint_loads(tmp_path):
     assert torch.equal(fresh.optimizer.buffer.param_data, state.optimizer.buffer.param_data)  # released weights
 
 
+def test_a_transformer_engine_model_reads_its_own_names():
+    """The renaming is for a model of local layers; Transformer Engine's layers keep theirs (and
+    their _extra_state, which their load reads)."""
+    te_model = torch.nn.Module()
+    te_model.register_buffer("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight".replace(".", "_"),
+                             torch.ones(1))
+    saved = {"decoder.layers.0.self_attention.linear_qkv.layer_norm_weight": 1, "x._extra_state": None}
+    assert checkpointing._in_model_names(te_model, saved) is saved
+    local = torch.nn.Module()
+    local.input_layernorm = torch.nn.LayerNorm(1)
+    assert checkpointing._in_model_names(local, saved) == {"decoder.layers.0.input_layernorm.weight": 1}
+
+
 def _te_named(model: dict) -> dict:
     fused = {f".{n}.weight": f".{m}.layer_norm_weight" for n, m in (("input_layernorm", "self_attention.linear_qkv"),
                                                                      ("pre_mlp_layernorm", "mlp.linear_fc1"))}
