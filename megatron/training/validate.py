@@ -145,9 +145,10 @@ def _parallel_args(args, world_size):
     heads_even = require(args.num_attention_heads % tp == 0,
                          f"--num-attention-heads {args.num_attention_heads} is not divisible by "
                          f"--tensor-model-parallel-size {tp}")
-    groups_even = require(args.num_query_groups % tp == 0,
-                          f"number of query groups {args.num_query_groups} is not divisible by "
-                          f"--tensor-model-parallel-size {tp}")
+    # without GQA the groups are the heads: one message for both
+    groups_even = heads_even if args.num_query_groups == args.num_attention_heads else require(
+        args.num_query_groups % tp == 0,
+        f"number of query groups {args.num_query_groups} is not divisible by --tensor-model-parallel-size {tp}")
     require(args.ffn_hidden_size % tp == 0,
             f"--ffn-hidden-size {args.ffn_hidden_size} is not divisible by --tensor-model-parallel-size {tp}")
     if heads_even and groups_even:  # else a tp rank's heads are no whole number to split further

@@ -224,6 +224,9 @@ def test_every_problem_of_a_command_line_at_once():
     together = error_of(everything, world=2).split("; ")
     assert sorted(together) == sorted(set(sum(alone, [])))
     assert len(together) > len(INDEPENDENT_PROBLEMS)  # some flags above carry several problems
+    # without GQA the query groups are the heads: one problem, said once
+    assert error_of("--tensor-model-parallel-size 4 --num-attention-heads 6 --hidden-size 96", world=4) == (
+        "--num-attention-heads 6 is not divisible by --tensor-model-parallel-size 4")
 
 def test_training_length_in_iterations_or_samples():
     base, i = list(BASE), BASE.index("--train-iters")
