@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder  # noqa: E402
 from megatron.training.tokenizer import build_tokenizer  # noqa: E402
+from megatron.training.problems import flag  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -43,7 +44,7 @@ def parse_args(argv=None):
         p.error(f"--input: cannot read {args.input}")
     needs = {"GPT2BPETokenizer": ("vocab_file", "merge_file"), "HuggingFaceTokenizer": ("tokenizer_model",),
              "NullTokenizer": ("vocab_size",)}[args.tokenizer_type]
-    missing = [f"--{name.replace('_', '-')}" for name in needs if getattr(args, name) is None]
+    missing = [flag(name) for name in needs if getattr(args, name) is None]
     if missing:
         p.error(f"--tokenizer-type {args.tokenizer_type} needs {' and '.join(missing)}")
     return args

@@ -395,7 +395,7 @@ LAYERS = "decoder.layers."
 def _in_model_names(model, saved: dict) -> dict:
     """`saved` as `model` names its layers: a model of local layers reads Transformer Engine's
     names; one of Transformer Engine's layers reads its own as they are."""
-    local = any(name.endswith("input_layernorm.weight") for name in model.state_dict())
+    local = any(name.endswith("input_layernorm.weight") for name, _ in model.named_parameters())
     return local_layer_names(saved) if local else saved
 
 

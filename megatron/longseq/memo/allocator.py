@@ -52,8 +52,12 @@ def build_problem() -> Optional[str]:
     """Why the allocator could not be built here (None: it is built, or a compiler is there)."""
     if _library_target().exists():
         return None
-    compiler = os.environ.get("CC", "cc")
+    compiler = _compiler()
     return None if shutil.which(compiler) else f"no C compiler ({compiler}) to build {SOURCE.name} with (set CC)"
+
+
+def _compiler() -> str:
+    return os.environ.get("CC", "cc")
 
 
 def _library_target() -> Path:
@@ -68,7 +72,7 @@ def library_path() -> Path:
         return target
     cache = target.parent
     cache.mkdir(parents=True, exist_ok=True)
-    compiler = os.environ.get("CC", "cc")
+    compiler = _compiler()
     with tempfile.NamedTemporaryFile(dir=cache, suffix=".so", delete=False) as tmp:
         pass
     try:

@@ -22,6 +22,7 @@ from megatron.training.convert.hf import (
     FAMILIES, ConvertError, Model, check_flags, check_weights, hf_config, model_from_args, model_from_hf,
     pretrain_flags, read_hf_config, read_hf_weights, shard_size_bytes, trainer_args, write_hf_dir)
 from megatron.training.convert.layout import from_hf, pad_rows, shard, to_hf
+from megatron.training.problems import flag
 from megatron.training.validate import padded_vocab_size
 
 MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
@@ -57,9 +58,9 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 def _check_targets(args) -> None:
-    for flag in ("target_tensor_parallel_size", "target_pipeline_parallel_size", "make_vocab_size_divisible_by"):
-        if getattr(args, flag) < 1:
-            raise ConvertError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    for name in ("target_tensor_parallel_size", "target_pipeline_parallel_size", "make_vocab_size_divisible_by"):
+        if getattr(args, name) < 1:
+            raise ConvertError(f"{flag(name)} must be >= 1, got {getattr(args, name)}")
     if os.path.realpath(args.load_dir) == os.path.realpath(args.save_dir):
         # the saver would overwrite what the loader still reads (side files, tokenizer)
         raise ConvertError(f"--save-dir is --load-dir ({args.load_dir}): write the conversion to another directory")

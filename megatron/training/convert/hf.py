@@ -19,6 +19,7 @@ import torch
 
 from megatron.longseq.attention.rope import RopeScaling, attention_factor
 from megatron.training.convert.layout import Shape
+from megatron.training.problems import flag
 
 FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 ARCHITECTURE = {family: arch for arch, family in FAMILIES.items()}
@@ -257,7 +258,7 @@ def check_flags(m: Model, given: Dict[str, Optional[int]]) -> None:
                 num_query_groups=m.groups, ffn_hidden_size=m.ffn_hidden_size, kv_channels=m.head_dim, vocab_size=m.vocab)
     for key, value in given.items():
         _require(value is None or value == have[key],
-                 f"--{key.replace('_', '-')} {value} contradicts the checkpoint, which has {have[key]}")
+                 f"{flag(key)} {value} contradicts the checkpoint, which has {have[key]}")
 
 
 # ---- safetensors directories ---------------------------------------------------------------------
