@@ -4,7 +4,7 @@
     python tools/benchmark_gpt.py --seq-lengths 8192 --model 1.3b --iters 20 -- --recompute-granularity full ...
 
 Each sequence length is one pretrain_gpt.py run on mock data with --log-throughput; the first
---warmup iterations are dropped and the rest averaged. Every iteration holds --tokens-per-iter tokens
+--warmup iterations (at least two) are dropped and the rest averaged. Every iteration holds --tokens-per-iter tokens
 (micro-batch 1, gradient accumulation up to it), so short and long sequences do the same work per
 step. A run that runs out of memory is retried with full recompute, and the table says so.
 Prints a markdown table with device, date and the exact command of each row. Every run is stopped
@@ -64,8 +64,10 @@ def command(args, seq: int, recompute: bool):
 
 
 def parse(stdout: str, warmup: int, upto: int = None):
-    """Means over the logged iterations after the first `warmup`, up to the `upto`-th."""
-    rows = [line for line in stdout.splitlines() if "iteration" in line and "lm loss" in line][warmup:upto]
+    """Means over the logged iterations after the first `warmup` (at least two: as Megatron's, the
+    trainer's second line averages the first two iterations, start-up included), up to the
+    `upto`-th."""
+    rows = [line for line in stdout.splitlines() if "iteration" in line and "lm loss" in line][max(warmup, 2):upto]
     if not rows:
         return None
     out = {}

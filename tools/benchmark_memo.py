@@ -8,7 +8,7 @@ recomputation, and the allocator's fragmentation with and without the planned al
 The model has Llama-2-7B's layer shape (h 4096, 32 heads, SwiGLU 11008, RMSNorm, RoPE) and
 --num-layers of them, so that parameters and optimizer state fit beside the activations. For every
 mode the sequence lengths are tried in increasing order until one runs out of memory (or its time);
-each run is pretrain_gpt.py on mock data, micro-batch 1, --iters iterations of which --warmup are
+each run is pretrain_gpt.py on mock data, micro-batch 1, --iters iterations of which --warmup (at least two) are
 dropped. What fits at a length, roughly: 18 bytes of model and optimizer state per parameter (1.5 G
 parameters at 6 layers: 27 GB); the logits, s x vocab in bf16 and again in fp32 for the loss (25 GB
 at 128K and vocabulary 32000) unless --loss-chunk makes them a chunk's (1.5 GB for 8192 tokens);

@@ -406,6 +406,10 @@ def _checkpoint_and_logging(p):
     g.add_argument("--log-memory-to-tensorboard", action="store_true")
     g.add_argument("--log-timers-to-tensorboard", action="store_true")
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
+    g.add_argument("--no-log-loss-scale-to-tensorboard", action="store_false", dest="log_loss_scale_to_tensorboard",
+                   help="leave loss-scale out of tensorboard")
+    g.add_argument("--log-world-size-to-tensorboard", action="store_true",
+                   help="write world-size (and world-size vs samples) to tensorboard")
     g.add_argument("--pipeline-timeline", type=str, default=None,
                    help="record the last training iteration's schedule here (one JSON per stage), "
                         "for tools/pipeline_simulator.py --from-run")

@@ -2,6 +2,7 @@
 attention kernel once, timers, MEMO's counters and tensorboard scalars."""
 from __future__ import annotations
 
+import contextlib
 import time
 
 from megatron.longseq.attention.ledger import LEDGER
@@ -23,7 +24,18 @@ class Reporter:
         self.flops_per_iter = num_floating_point_operations(args, args.global_batch_size)
         self.peak = args.peak_tflops if args.peak_tflops is not None else default_peak_tflops()
         self.last = time.perf_counter()
-        self.first_interval = True
+        self.first = True  # this process's first iteration: logged whatever --log-interval says
+        self.logged = False  # whether the last iteration printed a line
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Evaluation and checkpoint saves are not iteration time (Megatron stops its interval
+        timer around them)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.last += time.perf_counter() - start
 
     def iteration(self, state, losses, grad_norm, num_zeros, skipped: bool):
         args = self.args
@@ -32,29 +44,33 @@ class Reporter:
         lr = state.optimizer.param_groups[0]["lr"]
         params_norm = state.optimizer.last_params_norm  # taken in the step (--log-params-norm)
         if state.iteration % args.tensorboard_log_interval == 0:
-            values = {"learning-rate": lr, "batch-size": args.global_batch_size, "loss-scale": loss_scale,
-                      "grad-norm": grad_norm, "num-zeros": num_zeros, "params-norm": params_norm, **losses}
+            values = {"learning-rate": lr, "batch-size": args.global_batch_size, "grad-norm": grad_norm,
+                      "num-zeros": num_zeros, "params-norm": params_norm, **losses}
+            if args.log_loss_scale_to_tensorboard:
+                values["loss-scale"] = loss_scale
+            if args.log_world_size_to_tensorboard:
+                values["world-size"] = args.world_size
             self.tb.scalars(values, state.iteration, state.consumed_train_samples)
             if args.log_memory_to_tensorboard:
                 self.tb.memory(state.iteration)
-        if state.iteration % args.log_interval == 0:
-            self._log_line(state, lr, grad_norm, num_zeros, params_norm, loss_scale)
+        first, self.first = self.first, False
+        self.logged = state.iteration % args.log_interval == 0 or first
+        if self.logged:
+            # Megatron: the first line shows the start-up; its interval goes on into the next line
+            self._log_line(state, lr, grad_norm, num_zeros, params_norm, loss_scale, reset=not first)
 
-    def _log_line(self, state, lr, grad_norm, num_zeros, params_norm, loss_scale):
-        args, now = self.args, time.perf_counter()
-        elapsed = (now - self.last) / self.stats.iterations
-        self.last = now
+    def _log_line(self, state, lr, grad_norm, num_zeros, params_norm, loss_scale, reset: bool):
+        args, now, n = self.args, time.perf_counter(), self.stats.iterations
+        elapsed = (now - self.last) / n
         extra = {}
         if args.log_throughput:
             tflops = self.flops_per_iter / (elapsed * 1e12 * args.world_size)
             extra = {"tflops": tflops, "mfu": tflops / self.peak if self.peak else None,
                      "tokens_per_gpu": args.global_batch_size * args.seq_length / elapsed / args.world_size}
-        # Megatron: timings go to tensorboard only when asked, and not for the run's first
-        # interval (it holds the start-up)
-        if args.log_timers_to_tensorboard and not self.first_interval:
+        # Megatron: timings go to tensorboard only when asked, and not for the first line (start-up)
+        if args.log_timers_to_tensorboard and reset:
             self.tb.scalars({"iteration-time": elapsed, **({"throughput": extra["tflops"]} if extra else {})},
                             state.iteration, state.consumed_train_samples)
-        self.first_interval = False
         print_rank_last(format_iteration_line(
             iteration=state.iteration, train_iters=args.train_iters,
             consumed_samples=state.consumed_train_samples, elapsed_ms=elapsed * 1000.0, lr=lr,
@@ -62,7 +78,8 @@ class Reporter:
             num_zeros=num_zeros, params_norm=params_norm, skipped=self.stats.skipped, nan=self.stats.nan,
             loss_scale=loss_scale, **extra,
         ))
-        self.stats = IntervalStats()
+        if reset:
+            self.stats, self.last = IntervalStats(), now
         if not self.memory_reported:
             print_rank_0(memory_line(state.iteration))
             print_rank_0(attention_kernel_line(state.model, args.attention_backend))
@@ -70,16 +87,17 @@ class Reporter:
         if args.timing_log_level >= 1:
             print_rank_0(pipeline_memory_line(state.pipeline, self.pgs))
             if state.memo is not None:
-                self._memo(state.memo)
-        self._timers(state.iteration)
+                self._memo(state.memo, n, reset)
+        self._timers(state.iteration, n, reset)
 
-    def _memo(self, memo):
+    def _memo(self, memo, n: int, reset: bool):
         mib = 2**20
         s = memo.stats
-        print_rank_0(f"MEMO: offloaded {s['offloaded_bytes'] / mib / self.args.log_interval:.1f} MiB and recomputed "
-                     f"{s['recomputed_tokens'] // self.args.log_interval} tokens per iteration; peak host memory "
+        print_rank_0(f"MEMO: offloaded {s['offloaded_bytes'] / mib / n:.1f} MiB and recomputed "
+                     f"{s['recomputed_tokens'] // n} tokens per iteration; peak host memory "
                      f"{s['peak_host_bytes'] / mib:.1f} MiB")
-        memo.reset_stats()
+        if reset:
+            memo.reset_stats()
         if memo.allocator is not None:
             a = memo.allocator.stats()
             print_rank_0(f"MEMO planned allocator: {a['planned_allocs']} planned allocations "
@@ -88,17 +106,20 @@ class Reporter:
                          f"reserved {a['backend_bytes'] / mib:.1f} MiB, allocated {a['allocated_bytes'] / mib:.1f} MiB, "
                          f"cached {a['cached_free_bytes'] / mib:.1f} MiB, retries {a['retries']}")
 
-    def _timers(self, iteration):
+    def _timers(self, iteration: int, n: int, reset: bool):
+        """Megatron's timer block: per-iteration ms (min, max over ranks) on the last rank, and the
+        max in seconds to tensorboard."""
         if self.args.timing_log_level >= 2:
-            print_rank_0(LEDGER.format(iterations=self.args.log_interval))
-        LEDGER.clear()
-        times = self.timers.pop_min_max(list(self.TIMERS))
+            print_rank_0(LEDGER.format(iterations=n))
+        if reset:
+            LEDGER.clear()
+        times = self.timers.min_max(list(self.TIMERS), reset=reset)
         if not times:
             return
-        lines = [f"    {name} {'.' * (40 - len(name))}: ({lo:.2f}, {hi:.2f})" for name, (lo, hi) in times.items()]
-        print_rank_0("(min, max) time across ranks (ms):\n" + "\n".join(lines))
+        lines = [f"    {(name + ' ').ljust(48, '.')}: ({lo / n:.2f}, {hi / n:.2f})" for name, (lo, hi) in times.items()]
+        print_rank_last("(min, max) time across ranks (ms):\n" + "\n".join(lines))
         if self.args.log_timers_to_tensorboard:
-            self.tb.scalars({f"{n}-time": hi for n, (_, hi) in times.items()}, iteration)
+            self.tb.scalars({f"{name}-time": hi / 1000.0 / n for name, (_, hi) in times.items()}, iteration)
 
 
 def attention_kernel_line(chunks, backend: str) -> str:

@@ -27,8 +27,10 @@ class Timer:
         self.elapsed_s += time.perf_counter() - self._start
         self._start = None
 
-    def pop(self) -> float:
-        value, self.elapsed_s = self.elapsed_s, 0.0
+    def read(self, reset: bool) -> float:
+        value = self.elapsed_s
+        if reset:
+            self.elapsed_s = 0.0
         return value
 
 
@@ -52,12 +54,12 @@ class Timers:
             self.timers[name] = Timer(self.cuda) if level <= self.log_level else self._Null()
         return self.timers[name]
 
-    def pop_min_max(self, names: List[str]) -> Dict[str, tuple]:
-        """Elapsed ms of each timer since the last pop, as (min, max) over all ranks."""
+    def min_max(self, names: List[str], reset: bool = True) -> Dict[str, tuple]:
+        """Elapsed ms of each timer since the last reset, as (min, max) over all ranks."""
         names = [n for n in names if isinstance(self.timers.get(n), Timer)]
         if not names:
             return {}
-        values = [self.timers[n].pop() * 1000.0 for n in names]
+        values = [self.timers[n].read(reset) * 1000.0 for n in names]
         if dist.is_initialized() and dist.get_world_size() > 1:
             lo = all_reduce_values(values, dist.ReduceOp.MIN)
             hi = all_reduce_values(values, dist.ReduceOp.MAX)

@@ -295,14 +295,14 @@ def evaluate_and_print(name, forward_step_func, data_iterator, state, args, pgs,
     # Megatron's wording and names: after training "... on validation set" / "... on test set", and
     # tensorboard's "lm loss validation" for both
     where = f"iteration {state.iteration}" + ("" if count_samples else f" on {name} set")
-    line = f" validation loss at {where} |"
+    line = f" validation loss at {where} | "
     for key, value in losses.items():
         ppl = math.exp(min(20.0, value))
-        line += f" {key} value: {value:.6E} | {key} PPL: {ppl:.6E} |"
+        line += f"{key} value: {value:.6E} | {key} PPL: {ppl:.6E} | "
         tb.scalars({f"{key} validation": value}, state.iteration, state.consumed_train_samples)
         if args.log_validation_ppl_to_tensorboard:
             tb.scalars({f"{key} validation ppl": ppl}, state.iteration, state.consumed_train_samples)
-    rule = "-" * len(line)
+    rule = "-" * (len(line) + 1)  # Megatron's rule is one longer than its line
     print_rank_last(f"{rule}\n{line}\n{rule}")
 
 
@@ -345,7 +345,7 @@ def _train_loop(forward_step_func, train_iter, valid_iter, state, args, pgs, tim
         state.consumed_train_samples += args.global_batch_size
         state.flops_so_far += reporter.flops_per_iter
         reporter.iteration(state, losses, grad_norm, num_zeros, skipped)
-        profiler.after_step(state.iteration, logged=state.iteration % args.log_interval == 0)
+        profiler.after_step(state.iteration, logged=reporter.logged)
         if args.rerun_mode == "report_stats" and state.iteration % args.log_interval == 0:
             report_determinism(state.rerun, state.iteration)
         if state.saver is not None:
@@ -355,10 +355,12 @@ def _train_loop(forward_step_func, train_iter, valid_iter, state, args, pgs, tim
             state.optimizer.buffer.check_replicas(state.iteration)
         _collect_garbage(args, state.iteration)
         if valid_iter is not None and args.eval_iters > 0 and args.eval_interval and state.iteration % args.eval_interval == 0:
-            evaluate_and_print("validation", forward_step_func, valid_iter, state, args, pgs, tb, True)
+            with reporter.paused():
+                evaluate_and_print("validation", forward_step_func, valid_iter, state, args, pgs, tb, True)
         saved = False
         if args.save and args.save_interval and state.iteration % args.save_interval == 0:
-            save_and_report(args, state, pgs)
+            with reporter.paused():
+                save_and_report(args, state, pgs)
             saved = True
         stop = state.exits.reason(state.iteration)
         if stop:

@@ -5,7 +5,7 @@ must land on a curve defined by a single-rank case.
 Golden files (tests/functional_tests/golden/<name>.json) use Megatron-LM's format and metric set:
   {"lm loss": {"start_step": 1, "end_step": N, "step_interval": 1, "values": {"1": ..., ...}},
    "num-zeros": ..., "mem-allocated-bytes": ..., "mem-max-allocated-bytes": ...,
-   "iteration-time": {"start_step": 2, ...}}
+   "iteration-time": {"start_step": 1, ..., "values": {"1": "nan", "2": ...}}}
 read from the run's tensorboard scalars and rounded to 5 decimals, as Megatron's harness does.
 Regenerate them with `python -m tests.functional_tests.run --generate`.
 """

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from tests.functional_tests.cases import BY_NAME, CASES, COMMON, Case
+from tests.functional_tests.cases import BY_NAME, CASES, COMMON, TRAIN_ITERS, Case
 from tests.unit_tests.dist_utils import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,18 +106,20 @@ def golden_path(name: str) -> Path:
 
 
 def load_golden(name: str, metric: str = "lm loss") -> Dict[int, float]:
+    """The steps that have a value ("nan" marks a step the run wrote none for)."""
     blob = json.loads(golden_path(name).read_text())[metric]
-    return {int(k): float(v) for k, v in blob["values"].items()}
+    return {int(k): float(v) for k, v in blob["values"].items() if v != "nan"}
 
 
-def golden_blob(metrics: Dict[str, Dict[int, float]]) -> dict:
-    """Megatron's golden-values layout: per metric its step range and the values by step."""
+def golden_blob(metrics: Dict[str, Dict[int, float]], train_iters: int = TRAIN_ITERS) -> dict:
+    """Megatron's golden-values layout: per metric every step from 1, with "nan" where the run wrote
+    no value (iteration-time at step 1, num-zeros at a skipped fp16 step), as its harness fills them."""
     blob = {}
     for metric in METRICS:
         values = metrics[metric]
-        steps = sorted(values)
-        blob[metric] = {"start_step": steps[0], "end_step": steps[-1], "step_interval": 1,
-                        "values": {str(s): round(float(values[s]), GOLDEN_DECIMALS) for s in steps}}
+        blob[metric] = {"start_step": 1, "end_step": train_iters, "step_interval": 1,
+                        "values": {str(s): round(float(values[s]), GOLDEN_DECIMALS) if s in values else "nan"
+                                   for s in range(1, train_iters + 1)}}
     return blob
 
 

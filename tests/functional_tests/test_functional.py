@@ -12,7 +12,7 @@ from megatron.training.passkey import CHANCE_LOSS
 from megatron.training.checkpointing import TRACKER
 from tests.functional_tests.cases import BY_NAME, CASES, COMMON, TRAIN_ITERS, Case
 from tests.functional_tests.run import (
-    GOLDEN_DECIMALS, MACHINE_METRICS, METRICS, ROOT, command, golden_path, load_golden, run_case)
+    GOLDEN_DECIMALS, MACHINE_METRICS, METRICS, ROOT, command, golden_blob, golden_path, load_golden, run_case)
 from tests.unit_tests.dist_utils import child_env, free_port
 
 # Same machine, same session: a parallel layout differs from one rank only by the order of fp32
@@ -86,18 +86,31 @@ def test_case_matches_golden(case, runs):
 
 @pytest.mark.parametrize("name", sorted({c.golden_name for c in CASES}))
 def test_golden_files_hold_megatrons_metric_set(name, runs):
-    """Each golden file has Megatron-LM's metrics, step ranges and 5-decimal rounding, and a run
-    reports every one of them at every step (time and memory are the machine's: recorded, not
-    compared)."""
+    """Each golden file has Megatron-LM's metrics, step ranges, "nan" fill and 5-decimal rounding,
+    and a run reports every one of them at every step (time and memory are the machine's:
+    recorded, not compared)."""
     blob = json.loads(golden_path(name).read_text())
     assert list(blob) == list(METRICS)
     measured = runs(name).metrics
     for metric, entry in blob.items():
-        first = 2 if metric == "iteration-time" else 1  # as Megatron: the first interval holds the start-up
-        assert (entry["start_step"], entry["end_step"], entry["step_interval"]) == (first, TRAIN_ITERS, 1), metric
-        assert all(round(v, GOLDEN_DECIMALS) == v for v in entry["values"].values()), metric
+        assert (entry["start_step"], entry["end_step"], entry["step_interval"]) == (1, TRAIN_ITERS, 1), metric
+        assert list(entry["values"]) == [str(s) for s in range(1, TRAIN_ITERS + 1)], metric
+        assert all(v == "nan" or round(v, GOLDEN_DECIMALS) == v for v in entry["values"].values()), metric
+        first = 2 if metric == "iteration-time" else 1  # as Megatron: none for the first line (the start-up)
         assert sorted(measured[metric]) == list(range(first, TRAIN_ITERS + 1)), metric
+        assert [s for s, v in entry["values"].items() if v == "nan"] == [str(s) for s in range(1, first)], metric
     assert all(v > 0 for m in MACHINE_METRICS for v in measured[m].values())
+
+
+def test_golden_layout_fills_steps_without_a_value_with_nan():
+    """As Megatron's harness: a step the run wrote no value for (a skipped fp16 step has no zero
+    count) is "nan" in the file."""
+    metrics = {m: {s: 1.234567 for s in range(1, 5)} for m in METRICS}
+    del metrics["num-zeros"][2], metrics["iteration-time"][1]
+    blob = golden_blob(metrics, train_iters=4)
+    assert blob["num-zeros"] == {"start_step": 1, "end_step": 4, "step_interval": 1,
+                                 "values": {"1": 1.23457, "2": "nan", "3": 1.23457, "4": 1.23457}}
+    assert blob["iteration-time"]["values"]["1"] == "nan"
 
 
 @pytest.mark.parametrize("case", [c.name for c in CASES if c.golden_name != c.name])

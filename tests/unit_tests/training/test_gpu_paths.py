@@ -51,7 +51,7 @@ def _collectives_of_host_values():
         "(MB): 1.0 1.0; Seq1F1B cross-segment state (MB): 0.0 2.0")
     timers = Timers(1, cuda=False)
     timers("x", 0).elapsed_s = 0.001 * (rank + 1)
-    assert timers.pop_min_max(["x"])["x"] == pytest.approx((1.0, 2.0))
+    assert timers.min_max(["x"])["x"] == pytest.approx((1.0, 2.0))
     assert callers and set(callers) == {"megatron.longseq.collectives"}, callers
 
 

@@ -225,7 +225,8 @@ def test_validation_and_test_lines_use_megatrons_words_and_tensorboard_names(mon
     training.evaluate_and_print("validation", None, None, state, args, None, tb, True)
     training.evaluate_and_print("test", None, None, state, args, None, tb, False)
     out = capsys.readouterr().out
-    assert " validation loss at iteration 7 | lm loss value: 2.000000E+00 | lm loss PPL: 7.389056E+00 |" in out
+    line = " validation loss at iteration 7 | lm loss value: 2.000000E+00 | lm loss PPL: 7.389056E+00 | "
+    assert out.startswith(f"{'-' * (len(line) + 1)}\n{line}\n{'-' * (len(line) + 1)}\n")  # Megatron's, byte for byte
     assert " validation loss at iteration 7 on test set | lm loss value:" in out
     assert logged == [({"lm loss validation": 2.0}, 7)] * 2
     assert state.consumed_valid_samples == 8  # only the in-training evaluation counts its samples
