@@ -1,0 +1,58 @@
+"""What the tools' command lines share: --help with the whole description and every default, size
+types that refuse zero and negatives in argparse's one line, output paths checked before any work,
+and a wrapper that makes a refusal found later (a file's content, a plan) that same one line."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable, Optional, Sequence, Tuple, Type
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and "(default: X)" after each flag's help."""
+
+
+def parser(doc: str, **kw) -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(description=doc, formatter_class=_Formatter, **kw)
+
+
+class ToolError(Exception):
+    """A refusal found after parsing: one line and exit status 2, as argparse's own."""
+
+
+def _bounded(kind: type, ok: Callable[[float], bool], words: str) -> Callable[[str], float]:
+    def check(text: str):
+        value = kind(text)  # argparse turns a ValueError into "invalid <name> value: 'x'"
+        if not ok(value):  # NaN included
+            raise argparse.ArgumentTypeError(f"must be {words}, got {text}")
+        return value
+    check.__name__ = f"{words} {kind.__name__}"
+    return check
+
+
+positive_int = _bounded(int, lambda v: v > 0, "positive")
+positive_float = _bounded(float, lambda v: v > 0, "positive")
+nonnegative_int = _bounded(int, lambda v: v >= 0, "non-negative")
+nonnegative_float = _bounded(float, lambda v: v >= 0, "non-negative")
+
+
+def output_path(text: str) -> str:
+    """A file or directory to be written: its parent directory must exist (checked before the
+    work, not after it)."""
+    parent = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"no directory {parent} to write {text} in")
+    return text
+
+
+def run(main: Callable[[Optional[Sequence[str]]], Optional[int]], argv: Optional[Sequence[str]] = None,
+        errors: Tuple[Type[BaseException], ...] = ()) -> int:
+    """main(argv)'s exit status; a ToolError (or one of `errors`, a library's refusal) is one line
+    on stderr and status 2."""
+    try:
+        return main(argv) or 0
+    except (ToolError, *errors) as err:
+        prog = os.path.basename(sys.argv[0]) if argv is None else "tool"
+        print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
+        return 2
