@@ -13,6 +13,10 @@ cd "$(dirname "$0")/.."
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 # the GPUs this process may use (nvidia-smi -L ignores CUDA_VISIBLE_DEVICES and lists MIG slices)
 GPUS=${GPUS:-$(python3 -c "import torch; print(torch.cuda.device_count())")}
+if [ "$GPUS" -lt 1 ]; then
+    echo "gpt_1node_gpu.sh: no CUDA device visible to torch (examples/quickstart.sh runs on CPU)" >&2
+    exit 2
+fi
 SEQ=${SEQ:-8192}
 ITERS=${ITERS:-1000}
 WARMUP=${WARMUP:-$((ITERS / 10))}

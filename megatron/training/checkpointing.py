@@ -58,6 +58,11 @@ DESCRIBED = ("add_qkv_bias", "true_vocab_size", "norm_epsilon", "rotary_base", "
 LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
 FORMAT_FILE = "metadata.json"  # written last into a torch_dist checkpoint by megatron-core
 DISTRIB_OPTIM = "distrib_optim.pt"
+SCHEDULE = "opt_param_scheduler"  # the scheduler's state in a checkpoint (Megatron's key)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint this run's flags cannot load as asked: one line, with the flag that would."""
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -188,7 +193,7 @@ def _main_file(args, state, rerun: Optional[list]) -> dict:
         "args": saved_args(args, state),
         "iteration": state.iteration,
         **_model_states(state.model),
-        "opt_param_scheduler": state.scheduler.state_dict(),
+        SCHEDULE: state.scheduler.state_dict(),
         "num_floating_point_operations_so_far": state.flops_so_far,
     }
     if not args.no_save_optim:
@@ -273,7 +278,7 @@ def checkpoint_format(path: str, args) -> str:
     --auto-detect-ckpt-format (Megatron's rule)."""
     found = "torch_dist" if os.path.isfile(os.path.join(path, FORMAT_FILE)) else "torch"
     if found != args.ckpt_format and not args.auto_detect_ckpt_format:
-        raise ValueError(f"{path} is a {found}-format checkpoint but --ckpt-format is {args.ckpt_format}; "
+        raise ValueError(f"{path} is a {found}-format checkpoint but --ckpt-format is {args.ckpt_format}: "
                          f"pass --ckpt-format {found} or --auto-detect-ckpt-format")
     return found
 
@@ -302,11 +307,11 @@ def load_checkpoint(args, state, pgs) -> bool:
 def _load_optimizer(args, state, obj: dict, rank_dir: str, pgs) -> None:
     saved, path = obj.get("optimizer"), os.path.join(rank_dir, DISTRIB_OPTIM)
     if saved is None:
-        raise ValueError(f"{rank_dir} holds no optimizer state; load with --no-load-optim")
+        raise CheckpointError(f"{rank_dir} holds no optimizer state: load with --no-load-optim")
     if args.use_distributed_optimizer != os.path.isfile(path):
         said = "with" if os.path.isfile(path) else "without"
-        raise ValueError(f"{rank_dir} was saved {said} --use-distributed-optimizer, this run differs: its optimizer "
-                         f"state does not carry over; load with --no-load-optim")
+        raise CheckpointError(f"{rank_dir} was saved {said} --use-distributed-optimizer, this run differs: its "
+                              f"optimizer state does not carry over (load with --no-load-optim)")
     if args.use_distributed_optimizer:
         world = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
         states = from_megatron(world, state.optimizer.fragments_of, unwrap(state.model), args, pgs.index("pp"),
@@ -321,8 +326,8 @@ def _load_optimizer(args, state, obj: dict, rank_dir: str, pgs) -> None:
 
 
 def _load_progress(args, state, obj: dict, pgs) -> None:
-    """Schedule, RNG streams, iteration and data position."""
-    load_schedule(state.scheduler, obj["opt_param_scheduler"])
+    """Schedule (check_schedule has compared it at start-up), RNG streams, iteration and data position."""
+    state.scheduler.load_state_dict(obj[SCHEDULE])
     if not args.no_load_rng and "rng_state" in obj:
         load_rng_state_dict(replica_rng_state(obj["rng_state"], pgs))
     state.iteration = obj["iteration"]
@@ -339,13 +344,14 @@ def load_position(state, saved: argparse.Namespace) -> None:
 
 
 def recorded_args(path: str, pgs) -> dict:
-    """The model arguments the torch-format checkpoint at `path` records, from this rank's file
-    memory-mapped (its tensors stay on disk)."""
+    """The model arguments the torch-format checkpoint at `path` records, and its schedule under
+    SCHEDULE, from this rank's file memory-mapped (its tensors stay on disk)."""
     file = os.path.join(path, rank_dir_name(pgs), "model_optim_rng.pt")
     if not os.path.isfile(file):
         raise ValueError(f"{path} has no {rank_dir_name(pgs)}/model_optim_rng.pt: a torch-format checkpoint loads "
                          f"under the tensor / pipeline sizes that saved it (torch_dist loads under any)")
-    return recorded(torch.load(file, map_location="cpu", weights_only=False, mmap=True)["args"])
+    obj = torch.load(file, map_location="cpu", weights_only=False, mmap=True)
+    return {**recorded(obj["args"]), SCHEDULE: obj.get(SCHEDULE)}
 
 
 def recorded(namespace: argparse.Namespace) -> dict:
@@ -363,14 +369,35 @@ def replica_rng_state(states: list, pgs) -> dict:
     return states[pgs.index("dp") if len(states) > 1 else 0]
 
 
-def load_schedule(scheduler, saved: dict) -> None:
-    """megatron-core asserts that the checkpoint's schedule settings equal this run's unless told
-    which to take; a mismatch is one line that says how to choose."""
-    try:
-        scheduler.load_state_dict(saved)
-    except AssertionError as err:
-        raise ValueError(f"{err}: pass --use-checkpoint-opt_param-scheduler (the checkpoint's) or "
-                         "--override-opt_param-scheduler (this run's)") from None
+def schedule_of(args) -> dict:
+    """megatron-core's scheduler settings from this run's flags, as its state dict names them
+    (steps count samples: validate.py derives them from iterations or samples)."""
+    return {"max_lr": args.lr, "min_lr": args.min_lr, "lr_warmup_steps": args.lr_warmup_steps,
+            "lr_decay_steps": args.lr_decay_steps, "lr_decay_style": args.lr_decay_style,
+            "start_wd": args.weight_decay, "end_wd": args.weight_decay,
+            "wd_incr_steps": args.train_iters * args.global_batch_size, "wd_incr_style": "constant"}
+
+
+# What each setting is called on the command line (a longer --train-iters moves both step counts)
+SCHEDULE_NAMES = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "LR warm-up samples",
+                  "lr_decay_steps": "LR decay samples", "lr_decay_style": "--lr-decay-style",
+                  "start_wd": "--weight-decay", "end_wd": "final weight decay",
+                  "wd_incr_steps": "weight-decay samples (--train-iters x --global-batch-size)",
+                  "wd_incr_style": "weight-decay increment style"}
+
+
+def check_schedule(saved: Optional[dict], args) -> None:
+    """megatron-core's scheduler refuses to resume a schedule other than the checkpoint's unless told
+    which to take (an assertion, after the model is built): every difference, said at start-up."""
+    if not saved or args.use_checkpoint_opt_param_scheduler or args.override_opt_param_scheduler:
+        return
+    ours = schedule_of(args)
+    differ = [f"{SCHEDULE_NAMES[k]} {ours[k]} here, {saved[k]} in the checkpoint"
+              for k in ours if k in saved and saved[k] != ours[k]]
+    if differ:
+        raise ValueError(f"the LR / weight-decay schedule is not the checkpoint's ({', '.join(differ)}): pass "
+                         "--use-checkpoint-opt_param-scheduler to take the checkpoint's or "
+                         "--override-opt_param-scheduler to take this run's")
 
 
 def saved_args(args, state) -> argparse.Namespace:

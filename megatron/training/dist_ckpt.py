@@ -48,7 +48,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 from megatron.longseq.random import load_rng_state_dict, rng_state_dict
 from megatron.training.rerun import gathered_states, restore_states
 from megatron.training.checkpointing import (
-    CHECKPOINT_VERSION, LAYOUT_ARGS, check_args, fresh_dir, iteration_dir, load_position, load_schedule, model_keys,
+    CHECKPOINT_VERSION, LAYOUT_ARGS, SCHEDULE, CheckpointError, check_args, fresh_dir, iteration_dir, load_position, model_keys,
     on_rank_0, publish, recorded, saved_args)
 from megatron.training.metrics import print_rank_0
 from megatron.training.model import unwrap
@@ -158,7 +158,7 @@ def _common(args, state, pgs) -> dict:
         "args": saved_args(args, state),
         "layout": _layout(pgs),
         "iteration": state.iteration,
-        "opt_param_scheduler": state.scheduler.state_dict(),
+        SCHEDULE: state.scheduler.state_dict(),
         "num_floating_point_operations_so_far": state.flops_so_far,
         "rng_saved": not args.no_save_rng,
     }
@@ -316,8 +316,10 @@ def _model_args(common: dict) -> dict:
 
 
 def recorded_args(path: str) -> dict:
-    """The model arguments the torch_dist checkpoint at `path` records (common.pt alone)."""
-    return _model_args(dist_checkpointing.load_common_state_dict(path))
+    """The model arguments the torch_dist checkpoint at `path` records, and its schedule under
+    SCHEDULE (common.pt alone)."""
+    common = dist_checkpointing.load_common_state_dict(path)
+    return {**_model_args(common), SCHEDULE: common.get(SCHEDULE)}
 
 
 def _load_targets(optimizer) -> dict:
@@ -344,7 +346,7 @@ def load_checkpoint(args, state, pgs, path: str) -> None:
     check_args(_model_args(common), args)
     load_optim = not args.no_load_optim and not args.finetune  # --finetune: the model only
     if load_optim and "optimizer_steps" not in common:
-        raise ValueError(f"{path} holds no optimizer state; load with --no-load-optim")
+        raise CheckpointError(f"{path} holds no optimizer state: load with --no-load-optim")
     targets = _load_targets(state.optimizer) if load_optim else None
     # RNG streams belong to ranks: a run with another layout starts its own (as Megatron does).
     rng = common["rng_saved"] and not args.no_load_rng and not args.finetune and common["layout"] == _layout(pgs)
@@ -364,7 +366,7 @@ def load_checkpoint(args, state, pgs, path: str) -> None:
         state.optimizer.reload_model_params()
     if args.finetune:  # training starts afresh from these weights: iteration 0, new schedule
         return
-    load_schedule(state.scheduler, common["opt_param_scheduler"])
+    state.scheduler.load_state_dict(common[SCHEDULE])  # compared at start-up (check_schedule)
     if rng:
         load_rng_state_dict(loaded["rng_state"])
     state.iteration = common["iteration"]

@@ -24,8 +24,8 @@ from megatron.longseq.pipeline.seq1f1b import Pipeline, forward_backward_seq1f1b
 from megatron.training.arguments import ArgsError, parse
 from megatron.training import dist_ckpt
 from megatron.training.checkpointing import (
-    carry_model_card, check_args, checkpoint_format, latest_checkpoint, load_checkpoint, recorded_args,
-    same_tracker_everywhere, save_checkpoint)
+    RELEASE, SCHEDULE, CheckpointError, carry_model_card, check_args, check_schedule, checkpoint_format, latest_checkpoint,
+    load_checkpoint, recorded_args, same_tracker_everywhere, save_checkpoint, schedule_of)
 from megatron.training.data import build_loader, train_valid_test_num_samples
 from megatron.training.exits import ExitWatch
 from megatron.training.distributed import GradBuffer
@@ -82,10 +82,7 @@ def _print_args(args) -> None:
 def build_scheduler(args, optimizer) -> OptimizerParamScheduler:
     """Megatron counts schedule steps in samples (validate.py derives them from either spelling)."""
     return OptimizerParamScheduler(
-        optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_steps, lr_decay_steps=args.lr_decay_steps, lr_decay_style=args.lr_decay_style,
-        start_wd=args.weight_decay, end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters * args.global_batch_size, wd_incr_style="constant",
+        optimizer, init_lr=args.lr_warmup_init, **schedule_of(args),
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
         override_opt_param_scheduler=args.override_opt_param_scheduler,
     )
@@ -411,7 +408,10 @@ def check_load(args, pgs) -> None:
         path = latest_checkpoint(args.load)
         if path is not None:
             sharded = checkpoint_format(path, args) == "torch_dist"
-            check_args(dist_ckpt.recorded_args(path) if sharded else recorded_args(path, pgs), args)
+            saved = dist_ckpt.recorded_args(path) if sharded else recorded_args(path, pgs)
+            check_args(saved, args)
+            if os.path.basename(path) != RELEASE and not args.finetune:  # else the schedule starts afresh
+                check_schedule(saved.get(SCHEDULE), args)
     except ValueError as err:
         error = f"--load {args.load}: {err}"
     errors = [None] * dist.get_world_size()
@@ -428,10 +428,13 @@ def load_and_report(args, state, pgs) -> None:
     if path is None:
         print_rank_0(f"WARNING: no checkpoint under {args.load}; starting from random initialisation")
         return
-    if checkpoint_format(path, args) == "torch_dist":
-        dist_ckpt.load_checkpoint(args, state, pgs, path)
-    else:
-        load_checkpoint(args, state, pgs)
+    try:
+        if checkpoint_format(path, args) == "torch_dist":
+            dist_ckpt.load_checkpoint(args, state, pgs, path)
+        else:
+            load_checkpoint(args, state, pgs)
+    except CheckpointError as err:  # every rank reads the same answer from its own files
+        raise ArgsError(f"--load {args.load}: {err}") from None
     print_rank_0(f"  successfully loaded checkpoint from {args.load} at iteration {state.iteration}")
 
 

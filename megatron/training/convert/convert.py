@@ -97,7 +97,7 @@ def load_megatron(args) -> Tuple[Model, Dict[str, torch.Tensor], Optional[dict],
     saved, whole = ckpt.read_checkpoint(args.load_dir)
     base = ckpt.read_hf_side(args.load_dir)
     family = args.hf_family or _family_of(base, saved)
-    vocab = args.true_vocab_size or (base or {}).get("vocab_size")
+    vocab = args.true_vocab_size if args.true_vocab_size is not None else (base or {}).get("vocab_size")
     rows = whole["embedding.word_embeddings.weight"].shape[0]
     if vocab is not None and not 0 < vocab <= rows:
         raise ConvertError(f"--true-vocab-size {vocab}: the checkpoint's embedding has {rows} rows")

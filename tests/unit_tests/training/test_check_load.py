@@ -38,7 +38,7 @@ def _one_rank_cannot_read_its_files(root):
     def recorded(path, pgs):  # a torch-format checkpoint whose second tp file is missing
         if dist.get_rank() == 1:
             raise ValueError(f"{path} has no mp_rank_01/model_optim_rng.pt")
-        return args
+        return {}
     training.recorded_args, training.check_args = recorded, lambda recorded, args: None
     with pytest.raises(ArgsError, match=r"^rank 1: --load .*: .* has no mp_rank_01/model_optim_rng.pt$"):
         training.check_load(args, pgs)  # on rank 0 too, which read its own file
@@ -59,13 +59,9 @@ def test_ranks_that_read_different_trackers_stop_before_loading(tmp_path):
     run_ranks(_check_ranks_agree_on_the_tracker, 2, str(tmp_path))
 
 
-@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
-def test_a_contradicting_model_is_one_line_before_anything_is_built(tmp_path, fmt):
-    """pretrain checks --load's recorded model before building its own (check_load needs no
-    model): a contradiction or a format mismatch is an ArgsError, one line, exit 2."""
-    from megatron.training.arguments import ArgsError
+def _saved(tmp_path, fmt):
+    """A checkpoint of the tiny model at iteration 0 (10 iterations of 2 samples planned)."""
     from megatron.training.dist_ckpt import CheckpointSaver
-    from megatron.training.training import check_load
 
     args, pgs, state = make_state(tmp_path, f"--ckpt-format {fmt}")
     if fmt == "torch_dist":
@@ -74,6 +70,36 @@ def test_a_contradicting_model_is_one_line_before_anything_is_built(tmp_path, fm
         saver.finish(blocking=True)
     else:
         save_checkpoint(args, state, pgs)
+    return args, pgs
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_a_changed_schedule_is_one_line_before_anything_is_built(tmp_path, fmt):
+    """A longer --train-iters on resume moves the LR decay and the weight-decay span (both in
+    samples); megatron-core's scheduler would assert after the model is built. Said at start-up,
+    with both ways out; either flag, or --finetune (a new schedule), lets it load."""
+    from megatron.training.arguments import ArgsError
+    from megatron.training.training import check_load
+
+    _, pgs = _saved(tmp_path, fmt)
+    longer = f"--load {tmp_path} --ckpt-format {fmt} --bf16 --train-iters 12 --lr 2e-3"
+    with pytest.raises(ArgsError, match=(
+            r"schedule is not the checkpoint's \(--lr 0.002 here, 0.001 in the checkpoint, LR decay samples 24 "
+            r"here, 20 in the checkpoint, weight-decay samples \(--train-iters x --global-batch-size\) 24 here, "
+            r"20 in the checkpoint\): pass --use-checkpoint-opt_param-scheduler .* or --override-opt_param-scheduler")):
+        check_load(tiny_args(longer), pgs)
+    for way in ("--use-checkpoint-opt_param-scheduler", "--override-opt_param-scheduler", "--finetune"):
+        check_load(tiny_args(f"{longer} {way}"), pgs)
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_a_contradicting_model_is_one_line_before_anything_is_built(tmp_path, fmt):
+    """pretrain checks --load's recorded model before building its own (check_load needs no
+    model): a contradiction or a format mismatch is an ArgsError, one line, exit 2."""
+    from megatron.training.arguments import ArgsError
+    from megatron.training.training import check_load
+
+    args, pgs = _saved(tmp_path, fmt)
     check_load(args, pgs)  # the same model passes
     other = tiny_args(f"--load {tmp_path} --ckpt-format {fmt} --ffn-hidden-size 128")
     with pytest.raises(ArgsError, match=f"--load {tmp_path}: checkpoint has ffn_hidden_size=256 but this run has 128"):
@@ -86,3 +112,15 @@ def test_a_contradicting_model_is_one_line_before_anything_is_built(tmp_path, fm
         os.rename(os.path.join(path, "mp_rank_00"), os.path.join(path, "mp_rank_01"))
         with pytest.raises(ArgsError, match="has no mp_rank_00/model_optim_rng.pt: a torch-format checkpoint loads"):
             check_load(args, pgs)
+
+
+def test_an_optimizer_state_that_does_not_carry_over_is_one_line(tmp_path):
+    """Found while loading (the optimizer's files): still ArgsError, one line naming the way out."""
+    from megatron.training.arguments import ArgsError
+    from megatron.training.training import load_and_report
+
+    _saved(tmp_path, "torch")
+    args, pgs, state = make_state(tmp_path, "--ckpt-format torch --use-distributed-optimizer")
+    with pytest.raises(ArgsError, match=r"^--load .*: .*mp_rank_00 was saved without --use-distributed-optimizer, "
+                                        r"this run differs: .* \(load with --no-load-optim\)$"):
+        load_and_report(args, state, pgs)

@@ -117,10 +117,12 @@ def test_schedule_settings_on_load_as_megatron_chooses_them(tmp_path, flag, lr):
     args, pgs, state = make_state(tmp_path, "--lr 1e-3")
     train_one_step(state, args)
     save_checkpoint(args, state, pgs)
-    args2, _, resumed = make_state(tmp_path, f"--lr 2e-3 {flag}")
-    if lr is None:
-        with pytest.raises(ValueError, match="do not match: pass --use-checkpoint-opt_param-scheduler"):
-            load_checkpoint(args2, resumed, pgs)
+    args2, _, resumed = make_state(tmp_path, f"--lr 2e-3 --ckpt-format torch {flag}")
+    if lr is None:  # at start-up, before load_checkpoint is reached
+        from megatron.training.training import check_load
+
+        with pytest.raises(ValueError, match="--lr 0.002 here, 0.001 in the checkpoint.*: pass --use-checkpoint"):
+            check_load(args2, pgs)
         return
     load_checkpoint(args2, resumed, pgs)
     assert resumed.scheduler.max_lr == lr

@@ -106,6 +106,8 @@ def test_exports_that_would_lose_or_invent_weights_are_refused(tmp_path):
     assert "lacks q/k/v biases, which Qwen2ForCausalLM needs" in _refused(*export, llama, "--hf-family", "qwen2")
     assert "--true-vocab-size 100000: the checkpoint's embedding has 256 rows" in _refused(
         *export, llama, "--true-vocab-size", 100000)
+    assert "--true-vocab-size 0: the checkpoint's embedding has 256 rows" in _refused(  # not "unset"
+        *export, llama, "--true-vocab-size", 0)
     assert not (tmp_path / "out").exists()
 
 

@@ -73,7 +73,7 @@ def test_checkpoint_without_optimizer_needs_no_load_optim(tmp_path):
     args, pgs, state = saver_state(tmp_path, "--no-save-optim")
     path = state.saver.save(state)
     _, _, fresh = make_state(tmp_path)
-    with pytest.raises(ValueError, match="holds no optimizer state; load with --no-load-optim"):
+    with pytest.raises(ValueError, match="holds no optimizer state: load with --no-load-optim"):
         load_checkpoint(args, fresh, pgs, path)
     args2, _, fresh = make_state(tmp_path, "--no-load-optim")
     load_checkpoint(args2, fresh, pgs, path)

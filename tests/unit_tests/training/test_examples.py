@@ -31,6 +31,16 @@ def test_one_node_gpu_script_flags_are_valid(tmp_path):
     validate_args(parse_args(flags), world_size=8)
 
 
+def test_one_node_gpu_script_without_a_gpu_says_so(tmp_path):
+    """Not torchrun's AssertionError for --nproc-per-node 0."""
+    import subprocess
+
+    proc = subprocess.run(["bash", str(ROOT / "examples/gpt_1node_gpu.sh")], env=dict(os.environ, GPUS="0"),
+                          capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr == "gpt_1node_gpu.sh: no CUDA device visible to torch (examples/quickstart.sh runs on CPU)\n"
+
+
 def test_slurm_batch_script_flags_parse(tmp_path):
     """Parsed only: its data and tokenizer are the user's (validation reads them)."""
     env = {"SLURM_JOB_NODELIST": "node-a,node-b", "SLURM_NNODES": "2", "SLURM_JOB_ID": "1",
