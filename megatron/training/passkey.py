@@ -29,9 +29,10 @@ class PasskeyDataset(torch.utils.data.Dataset):
     def __init__(self, num_samples: int, seq_length: int, vocab_size: int, key_length: int = 1, seed: int = 0,
                  depth: float = 0.25):
         if vocab_size <= FILLER_START + 10:
-            raise ValueError(f"passkey data needs --vocab-size > {FILLER_START + 10}, got {vocab_size}")
+            raise ValueError(f"passkey data needs a vocabulary size > {FILLER_START + 10}, got {vocab_size}")
         if seq_length < 8 * (key_length + 2):
-            raise ValueError(f"--seq-length {seq_length} is too short for a key of {key_length} tokens")
+            raise ValueError(f"a sequence length of {seq_length} is too short for a key of {key_length} tokens "
+                             f"(at least {8 * (key_length + 2)} needed)")
         if not 0 < depth <= 1:
             raise ValueError(f"passkey depth must be in (0, 1], got {depth}")
         self.num_samples, self.seq_length, self.vocab_size = num_samples, seq_length, vocab_size
