@@ -24,11 +24,11 @@ With --ring R [R ...] a third table times the load-balanced ring's blocks: the f
 backward of all R ring positions (each position's chunks j and 2R-1-j, Megatron's placement) run
 one after another on this device -- threads joined by loopback groups (attention/loopback.py),
 the trainer's ring_forward/ring_backward, fp32 merges and accumulators included, communication
-replaced by device copies -- against the bare kernel over the whole sequence.
+replaced by device copies -- against the bare kernel over the whole sequence; every length must
+then be divisible by 2 x R.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import gc
 import os
@@ -39,18 +39,20 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import megatron.longseq  # noqa: E402,F401  (quiet megatron-core's import-time warnings first)
 from megatron.core.transformer.enums import AttnBackend  # noqa: E402
 from megatron.longseq.attention import varlen  # noqa: E402
 from megatron.longseq.attention.core import AttentionInputs, LongSeqCoreAttention  # noqa: E402
 from megatron.longseq.attention.documents import causal_work, lognormal_starts  # noqa: E402
 from megatron.longseq.attention.placement import DocumentLayout  # noqa: E402
 from megatron.longseq.attention.context_parallel import ContextParallel  # noqa: E402
-from megatron.longseq.attention.kernels import default_scale, grad_like, select_kernel  # noqa: E402
+from megatron.longseq.attention.kernels import BACKENDS, default_scale, grad_like, select_kernel  # noqa: E402
 from megatron.longseq.attention.loopback import RankThreads  # noqa: E402
 from megatron.longseq.attention.placement import local_token_indices  # noqa: E402
 from megatron.longseq.attention.ring import ring_backward, ring_forward  # noqa: E402
 from megatron.longseq.config import LongSeqConfig  # noqa: E402
 from megatron.longseq.parallel_state import RankGrid  # noqa: E402
+from tools import cli  # noqa: E402
 from tools.benchmark_gpt import OOM  # noqa: E402
 
 
@@ -246,24 +248,48 @@ def ring_table(args, device, dtype) -> None:
         print(f"| {seq} | {whole * 1e3:.2f} | {cells} |", flush=True)
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--seq-lengths", type=int, nargs="+", default=[32768, 65536, 131072])
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
-    p.add_argument("--backend", default="auto")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--documents", type=float, metavar="MEAN",
+def arguments(argv):
+    p = cli.parser(__doc__)
+    p.add_argument("--seq-lengths", type=cli.positive_int, nargs="+", default=[32768, 65536, 131072],
+                   help="tokens per sample, one row each")
+    p.add_argument("--batch", type=cli.positive_int, default=1, help="samples b")
+    p.add_argument("--heads", type=cli.positive_int, default=32, help="query heads h")
+    p.add_argument("--kv-heads", type=cli.positive_int, default=8, help="key/value heads, dividing --heads")
+    p.add_argument("--head-dim", type=cli.positive_int, default=128, help="channels per head d")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="the tensors' type")
+    p.add_argument("--backend", choices=BACKENDS, default="auto", help="--attention-backend of the kernel")
+    p.add_argument("--warmup", type=cli.nonnegative_int, default=2, help="untimed calls before the timed ones")
+    p.add_argument("--iters", type=cli.positive_int, default=5, help="timed calls, averaged")
+    p.add_argument("--documents", type=cli.positive_float, metavar="MEAN",
                    help="also time packed samples of log-normal documents of this mean length")
-    p.add_argument("--ring", type=int, nargs="+", metavar="R", default=[],
+    p.add_argument("--ring", type=cli.positive_int, nargs="+", metavar="R", default=[],
                    help="also time the load-balanced blocks of rings of R positions")
     args = p.parse_args(argv)
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    args.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    args.torch_dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    refused = refusal(args)
+    if refused:
+        p.error(refused)
+    return args
+
+
+def refusal(args) -> str:
+    """Why the sizes cannot be timed (empty if they can), before the first length is."""
+    if args.heads % args.kv_heads:
+        return f"--kv-heads {args.kv_heads} does not divide --heads {args.heads}"
+    odd = [(s, r) for r in args.ring for s in args.seq_lengths if s % (2 * r)]
+    if odd:  # each ring position holds two chunks of the sequence
+        return f"--seq-lengths {odd[0][0]} is not divisible by 2 x --ring {odd[0][1]}"
+    try:  # the kernel this machine has for the backend, dtype and head size (a probe, no tensors)
+        select_kernel(args.backend, args.device, args.torch_dtype, args.head_dim)
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
+def main(argv=None):
+    args = arguments(argv)
+    device, dtype = args.device, args.torch_dtype
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"device: {name} | date: {datetime.date.today()} | {args.dtype} | b={args.batch} h={args.heads} "
           f"h_kv={args.kv_heads} d={args.head_dim} | command: python tools/benchmark_attention.py "
@@ -277,11 +303,11 @@ def main(argv=None):
         kname, tk, to, flops = measured
         print(f"| {seq} | {kname} | {tk * 1e3:.2f} | {to * 1e3:.2f} | {100 * (to - tk) / tk:+.1f}% | "
               f"{flops / tk / 1e12:.2f} | {flops / to / 1e12:.2f} |", flush=True)
-    if args.documents:
+    if args.documents is not None:
         packed_table(args, device, dtype)
     if args.ring:
         ring_table(args, device, dtype)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

@@ -9,11 +9,11 @@ Each sequence length is one pretrain_gpt.py run on mock data with --log-throughp
 step. A run that runs out of memory is retried with full recompute, and the table says so.
 Prints a markdown table with device, date and the exact command of each row. Every run is stopped
 after --timeout seconds, and none starts once --budget seconds have gone (a row says so); with
---log-dir each run's whole output is kept there as it runs.
+--log-dir each run's whole output is kept there as it runs. Exits with status 1 when a row has no
+measurement (out of memory even with full recompute, failed, stopped): the table is still printed.
 """
 from __future__ import annotations
 
-import argparse
 import ctypes
 import datetime
 import functools
@@ -29,6 +29,11 @@ from pathlib import Path
 from statistics import mean
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tools import cli  # noqa: E402
+
+UNMEASURED = 1  # the exit status of a benchmark with a row that has no measurement
 
 MODELS = {
     # GPT-3 XL (1.3B): 24 layers, h 2048, 16 heads, GPT-2 vocabulary.
@@ -148,10 +153,44 @@ class Runs:
 
 
 def add_run_limits(p, timeout: float = 540.0) -> None:
-    p.add_argument("--timeout", type=float, default=timeout, help="seconds one run may take")
-    p.add_argument("--budget", type=float, default=float("inf"),
+    p.add_argument("--timeout", type=cli.positive_float, default=timeout, help="seconds one run may take")
+    p.add_argument("--budget", type=cli.positive_float, default=float("inf"),
                    help="seconds after which no run starts and a running one is stopped")
-    p.add_argument("--log-dir", help="keep each run's output here")
+    p.add_argument("--log-dir", help="keep each run's output here (made if missing)")
+
+
+def measured_iterations(iters: int, warmup: int) -> int:
+    """How many logged iterations the means average: parse() drops max(warmup, 2)."""
+    return iters - max(warmup, 2)
+
+
+def refusal(args, cmd) -> str:
+    """Why the runs could not measure anything (empty if they can), before the first one starts:
+    no iteration left after the dropped ones, a log directory that cannot be made or written, or
+    pretrain_gpt.py flags (`cmd`, one row's command) its parser refuses."""
+    if measured_iterations(args.iters, args.warmup) < 1:
+        return (f"--iters {args.iters} leaves no iteration to measure: the means drop the first "
+                f"max(--warmup, 2) = {max(args.warmup, 2)} logged iterations")
+    if args.log_dir:
+        try:
+            os.makedirs(args.log_dir, exist_ok=True)
+        except OSError as err:  # an existing file included ("File exists")
+            return f"--log-dir {args.log_dir}: cannot make that directory: {err.strerror}"
+        if not os.access(args.log_dir, os.W_OK | os.X_OK):
+            return f"--log-dir {args.log_dir}: cannot write in that directory"
+    errors = trainer_flag_errors(cmd)
+    return f"pretrain_gpt.py flags: {'; '.join(errors)}" if errors else ""
+
+
+def trainer_flag_errors(cmd) -> list:
+    """What pretrain_gpt.py's parser says of a run's flags (parsing only: no torch in this process)."""
+    from megatron.training.arguments import ArgsError, parse
+
+    flags = cmd[next(i for i, c in enumerate(cmd) if c.endswith("pretrain_gpt.py")) + 1:]
+    try:
+        return parse(flags)[1]
+    except ArgsError as err:
+        return [str(err)]
 
 
 def profile_lines(text: str) -> list:
@@ -196,22 +235,34 @@ def device_name() -> str:
     return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "CPU"
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", choices=sorted(MODELS), default="1.3b")
-    p.add_argument("--seq-lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
-    p.add_argument("--tokens-per-iter", type=int, default=32768)
-    p.add_argument("--iters", type=int, default=12)
-    p.add_argument("--warmup", type=int, default=4)
-    p.add_argument("--no-bf16", dest="bf16", action="store_false")
+def arguments(argv):
+    p = cli.parser(__doc__)
+    p.add_argument("--model", choices=sorted(MODELS), default="1.3b", help="the model's shape")
+    p.add_argument("--seq-lengths", type=cli.positive_int, nargs="+", default=[4096, 8192, 16384, 32768],
+                   help="one run per length")
+    p.add_argument("--tokens-per-iter", type=cli.positive_int, default=32768,
+                   help="tokens of one iteration (gradient accumulation up to it)")
+    p.add_argument("--iters", type=cli.positive_int, default=12,
+                   help="iterations of a run, more than max(--warmup, 2)")
+    p.add_argument("--warmup", type=cli.nonnegative_int, default=4,
+                   help="iterations left out of the means (at least two are)")
+    p.add_argument("--no-bf16", dest="bf16", action="store_false", help="run in fp32")
     p.add_argument("--profile", action="store_true",
                    help="profile one more iteration after the measured ones (torch's profiler) and print its ops "
                         "by device time after the table; it and the next are not in the means")
     add_run_limits(p)
     p.add_argument("extra", nargs="*", help="more pretrain_gpt.py flags (after --)")
     args = p.parse_args(argv)
+    refused = refusal(args, command(args, args.seq_lengths[0], False))
+    if refused:
+        p.error(refused)
+    return args
+
+
+def main(argv=None):
+    args = arguments(argv)
     runs = Runs(args, "gpt")
-    profiles = []
+    profiles, unmeasured = [], 0
     print(f"device: {device_name()} | date: {datetime.date.today()} | model: {args.model} | "
           f"{'bf16' if args.bf16 else 'fp32'} | {args.tokens_per_iter} tokens per iteration")
     print("| seq | tokens/s/GPU | TFLOP/s/GPU | MFU | ms/iter | recompute | command |")
@@ -221,6 +272,7 @@ def main(argv=None):
         # the heading names the length: every length's profile is "of iteration N"
         profiles += [f"Profile at {seq}: {profile[0]}"] + profile[1:] + [""] if profile else []
         if res is None:
+            unmeasured += 1
             print(f"| {seq} | {status} | | | | {'full' if recompute else 'none'} | `{shown(cmd)}` |", flush=True)
             continue
         mfu = f"{res['mfu']:.1f}%" if res["mfu"] is not None else "n/a"
@@ -228,7 +280,10 @@ def main(argv=None):
               f"{'full' if recompute else 'none'} | `{shown(cmd)}` |", flush=True)
     if profiles:
         print("\n" + "\n".join(profiles), flush=True)
+    if unmeasured:  # the table is the record; the status tells a caller that it is not whole
+        print(f"{unmeasured} of {len(args.seq_lengths)} lengths not measured", file=sys.stderr, flush=True)
+    return UNMEASURED if unmeasured else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

@@ -19,18 +19,21 @@ training iterations' (set-up excluded): max reserved minus max allocated -- what
 beyond the tensors at the peak -- and the allocator's retries, for MEMO with torch's caching
 allocator and with the planned one. MEMO's memory plan is made with the greedy planner (the plan is
 only printed with the caching allocator; a solver's time would be each run's).
-Prints markdown tables with device, date and the exact command of every row.
+Prints markdown tables with device, date and the exact command of every row. A mode's search ends
+at its first length out of memory or out of its time, which is its finding; any other row without
+a measurement (failed, stopped by the budget, no iteration left) makes the exit status 1.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark_gpt import Runs, add_run_limits, device_name, parse, shown  # noqa: E402
+from benchmark_gpt import UNMEASURED, Runs, add_run_limits, device_name, parse, refusal, shown  # noqa: E402
+
+from tools import cli  # noqa: E402  (benchmark_gpt put the repository on the path)
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = ("--swiglu --normalization RMSNorm --position-embedding-type rope --disable-bias-linear "
@@ -45,6 +48,8 @@ MODES = {
     "memo": "--memo --memo-swap-fraction auto --memo-planner greedy",
     "memo-planned": "--memo --memo-swap-fraction auto --memo-planner greedy --memo-allocator planned",
 }
+# where a mode's search for its longest sequence is meant to stop: the length that does not fit
+FOUND_THE_LIMIT = ("out of memory", "timeout")
 ALPHA = re.compile(r"MEMO: alpha ([0-9.]+)")
 MEMORY = re.compile(r"memory \(MB\) \| allocated: ([0-9.]+) \| max allocated: ([0-9.]+) \| "
                     r"reserved: ([0-9.]+) \| max reserved: ([0-9.]+) \| alloc retries: (\d+)")
@@ -92,7 +97,7 @@ def bandwidth_table() -> None:
     from megatron.longseq.memo.streams import host_empty
 
     if not torch.cuda.is_available():
-        sys.exit("benchmark_memo.py --bandwidth: pinned copies are measured to and from a CUDA device; none is visible")
+        raise cli.ToolError("--bandwidth: pinned copies are measured to and from a CUDA device; none is visible")
     dev = torch.device("cuda", 0)
     print(f"device: {torch.cuda.get_device_name(dev)} | date: {datetime.date.today()}")
     print("| bytes per copy | host to device GB/s | device to host GB/s |")
@@ -102,25 +107,54 @@ def bandwidth_table() -> None:
         print(f"| {mib} MiB | {copy_rate(d, h, dev) / 1e9:.1f} | {copy_rate(h, d, dev) / 1e9:.1f} |", flush=True)
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shape", choices=sorted(SHAPES), default="7b")
-    p.add_argument("--num-layers", type=int, default=6)
-    p.add_argument("--no-bf16", dest="bf16", action="store_false")
-    p.add_argument("--seq-lengths", type=int, nargs="+", default=[16384, 32768, 65536, 131072])
-    p.add_argument("--modes", nargs="+", choices=sorted(MODES), default=["none", "full", "memo", "memo-planned"])
-    p.add_argument("--loss-chunk", type=int, default=8192,
+def arguments(argv):
+    p = cli.parser(__doc__)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="7b", help="the layers' shape")
+    p.add_argument("--num-layers", type=cli.positive_int, default=6, help="layers of the model")
+    p.add_argument("--no-bf16", dest="bf16", action="store_false", help="run in fp32")
+    p.add_argument("--seq-lengths", type=cli.positive_int, nargs="+", default=[16384, 32768, 65536, 131072],
+                   help="lengths tried in increasing order, per mode")
+    p.add_argument("--modes", nargs="+", choices=sorted(MODES), default=["none", "full", "memo", "memo-planned"],
+                   help="recomputation / MEMO modes, each searched on its own")
+    p.add_argument("--loss-chunk", type=cli.nonnegative_int, default=8192,
                    help="--cross-entropy-chunk-tokens of every run: the logits of this many tokens at a time "
                         "(0: whole, as the rows measured before it existed)")
     p.add_argument("--expandable-segments", action="store_true",
                    help="every run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the caching allocator's "
                         "growable segments: the baseline for the planned allocator's fragmentation)")
-    p.add_argument("--iters", type=int, default=6)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=cli.positive_int, default=6, help="iterations of a run, more than max(--warmup, 2)")
+    p.add_argument("--warmup", type=cli.nonnegative_int, default=2,
+                   help="iterations left out of the means (at least two are)")
     p.add_argument("--bandwidth", action="store_true", help="measure pinned host <-> device copies (CUDA) and stop")
     add_run_limits(p)
     p.add_argument("extra", nargs="*", help="more pretrain_gpt.py flags (after --)")
     args = p.parse_args(argv)
+    refused = "" if args.bandwidth else refusal(args, command(args, args.modes[0], args.seq_lengths[0]))
+    if refused:
+        p.error(refused)
+    return args
+
+
+def search(args, mode: str, runs: Runs, longest: dict) -> bool:
+    """Print the rows of one mode's lengths, up to the first that does not run; whether the search
+    ended as it should (every length measured, or the limit found)."""
+    for seq in sorted(args.seq_lengths):
+        res, status, frag, cmd = run(args, mode, seq, runs)
+        if res is None:
+            print(f"| {mode} | {seq} | {status} | | | | | | `{shown(cmd)}` |", flush=True)
+            return status in FOUND_THE_LIMIT
+        longest[mode] = seq
+        mfu = f"{res['mfu']:.1f}%" if res["mfu"] is not None else "n/a"
+        gap = f"{frag['max reserved'] - frag['max allocated']:.0f}" if frag else "n/a"
+        retries = frag["retries"] if frag else "n/a"
+        alpha = "" if res["alpha"] is None else f"{res['alpha']:.3f}"
+        print(f"| {mode} | {seq} | {mfu} | {res['tflops']:.1f} | {res['ms']:.0f} | {alpha} | {gap} | {retries} | "
+              f"`{shown(cmd)}` |", flush=True)
+    return True
+
+
+def main(argv=None):
+    args = arguments(argv)
     if args.bandwidth:
         return bandwidth_table()
     runs = Runs(args, "memo")
@@ -130,26 +164,17 @@ def main(argv=None):
           "command |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     longest = {}
-    for mode in args.modes:
-        for seq in sorted(args.seq_lengths):
-            res, status, frag, cmd = run(args, mode, seq, runs)
-            if res is None:
-                print(f"| {mode} | {seq} | {status} | | | | | | `{shown(cmd)}` |", flush=True)
-                break
-            longest[mode] = seq
-            mfu = f"{res['mfu']:.1f}%" if res["mfu"] is not None else "n/a"
-            gap = f"{frag['max reserved'] - frag['max allocated']:.0f}" if frag else "n/a"
-            retries = frag["retries"] if frag else "n/a"
-            alpha = "" if res["alpha"] is None else f"{res['alpha']:.3f}"
-            print(f"| {mode} | {seq} | {mfu} | {res['tflops']:.1f} | {res['ms']:.0f} | {alpha} | {gap} | {retries} | "
-                  f"`{shown(cmd)}` |", flush=True)
+    unfinished = [mode for mode in args.modes if not search(args, mode, runs, longest)]
     print(flush=True)
     print("Longest sequence per mode:")  # a heading: the GPU suite keeps the two tables apart
     print("| mode | longest sequence that ran |")
     print("| --- | --- |")
     for mode in args.modes:
         print(f"| {mode} | {longest.get(mode, 'none')} |")
+    if unfinished:  # the tables are the record; the status tells a caller they are not whole
+        print(f"modes whose search did not end at a limit: {' '.join(unfinished)}", file=sys.stderr, flush=True)
+    return UNMEASURED if unfinished else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

@@ -46,6 +46,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark_gpt import device_name, run_pretrain, run_status, shown  # noqa: E402
 
+from tools import cli  # noqa: E402  (benchmark_gpt put the repository on the path)
+
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
@@ -153,6 +155,11 @@ PARTS = {"tests": _tests, "attention": _attention, "bandwidth": _bandwidth, "smo
          "memo-expandable": _expandable}
 
 
+def is_tool(cmd: list) -> bool:
+    """Whether `cmd` runs one of tools/ (a benchmark), not pretrain_gpt.py or pytest."""
+    return len(cmd) > 1 and Path(cmd[1]).parent == ROOT / "tools"
+
+
 def table_lines(text: str) -> list:
     """The tables a tool printed: lines starting with '|' or 'device:', and each table's heading."""
     lines = text.splitlines()
@@ -204,7 +211,10 @@ class Suite:
         code, text = run_pretrain(cmd, min(timeout, left), self.out / "running.log")
         seconds = time.monotonic() - start
         status = run_status(code, text, timeout <= left)
-        status = f"failed (exit {code})" if status == "failed" else status
+        if code not in (0, None) and (status == "failed" or is_tool(cmd)):
+            # a benchmark tool's table says which rows ran out of memory; its status says whether
+            # every row was measured (1: not), not whether some run's output mentions memory
+            status = f"failed (exit {code})"
         self.log.write(f"\n#### {label}: {shown(cmd)}\n#### {status} in {seconds:.0f} s\n{text}")
         self.log.flush()
         (self.out / "running.log").unlink()  # in suite.log now
@@ -257,14 +267,25 @@ class Suite:
         self.log.close()
 
 
+def output_dir(text: str) -> Path:
+    """OUT: a directory, made (with its parents) if missing; an existing file is refused."""
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} exists and is not a directory")
+    return Path(text)
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("out", type=Path, help="directory for suite.md, suite.json and suite.log")
-    p.add_argument("--parts", nargs="+", choices=list(PARTS), default=list(PARTS))
-    p.add_argument("--budget", type=float, default=540.0,
-                   help="seconds after which no command starts and a running one is stopped (default: a "
-                        "device command's 10 minutes less a minute for installing and copying back)")
+    p = cli.parser(__doc__)
+    p.add_argument("out", type=output_dir, help="directory for suite.md, suite.json and suite.log")
+    p.add_argument("--parts", nargs="+", choices=list(PARTS), default=list(PARTS), help="the parts to run, in order")
+    p.add_argument("--budget", type=cli.positive_float, default=540.0,
+                   help="seconds after which no command starts and a running one is stopped (a device "
+                        "command's 10 minutes less a minute for installing and copying back)")
     args = p.parse_args(argv)
+    try:  # before the device is asked its name: the record has to have somewhere to go
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        p.error(f"argument out: cannot make {args.out}: {err.strerror}")
     invoked = shown([__file__, *(sys.argv[1:] if argv is None else argv)])
     # nvidia-smi, not torch: this process stays off the GPU its commands use
     suite = Suite(args.out, args.budget, device_name() != "CPU", invoked)
@@ -278,4 +299,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

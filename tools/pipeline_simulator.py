@@ -10,12 +10,12 @@
     python tools/pipeline_simulator.py --from-run DIR --png real.png
 
 Costs: a segment's forward costs its Eq. 8 FLOPs (Seq1F1B section 3.5; the model from --num-layers,
---hidden-size, --seq-length), its backward twice that; activation memory is proportional to its
-tokens, in units of one micro-batch on one stage.
+--hidden-size, --seq-length), its backward twice that; time is counted in forwards of one
+micro-batch on the whole model (a stage's share of one is 1/P). Activation memory is proportional
+to its tokens, in units of one micro-batch on one stage.
 """
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import os
@@ -26,10 +26,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from megatron.longseq.attention.documents import lognormal_starts  # noqa: E402
-from megatron.longseq.pipeline.partition import (DocumentCost, document_partition, partition,  # noqa: E402
-                                                 segment_costs, segment_flops)
-from megatron.longseq.pipeline.plan import all_schedules  # noqa: E402
+from megatron.longseq.pipeline.partition import (DocumentCost, PartitionError, document_partition,  # noqa: E402
+                                                 partition, segment_costs, segment_flops)
+from megatron.longseq.pipeline.plan import ScheduleError, all_schedules, check  # noqa: E402
 from megatron.longseq.pipeline.simulate import Timeline, simulate  # noqa: E402
+from tools import cli  # noqa: E402
 
 # Seq1F1B Table 1: (name, layers, hidden, sequence lengths, PP, micro-batches)
 PAPER = [
@@ -128,55 +129,97 @@ def recorded_events(directory):
     """pretrain_gpt.py --pipeline-timeline DIR writes rank_<r>.json: [[op, start, end], ...]."""
     events, ranks = [], 0
     for path in sorted(glob.glob(os.path.join(directory, "rank_*.json"))):
-        blob = json.load(open(path))
-        stage = blob["stage"]
-        ranks = max(ranks, stage + 1)
-        for op, start, end in blob["events"]:
-            kind, rest = op[0], op[1:].split(":")[1]
-            mb, seg = (int(x) for x in rest.split("."))
-            events.append((stage, f"{mb}.{seg}", start, end, kind == "F", mb))
+        try:
+            with open(path) as f:
+                blob = json.load(f)
+            stage = blob["stage"]
+            ranks = max(ranks, stage + 1)
+            for op, start, end in blob["events"]:
+                kind, rest = op[0], op[1:].split(":")[1]
+                mb, seg = (int(x) for x in rest.split("."))
+                events.append((stage, f"{mb}.{seg}", start, end, kind == "F", mb))
+        except (ValueError, KeyError, TypeError, IndexError) as err:  # JSON's errors are ValueErrors
+            raise cli.ToolError(f"--from-run {path}: not a recorded timeline ({type(err).__name__}: {err})") from None
     return events, ranks
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--pipeline-size", type=int, default=4)
-    ap.add_argument("--micro-batches", type=int, default=8)
-    ap.add_argument("--splits", type=int, default=4)
-    ap.add_argument("--chunks", type=int, default=1, help="model chunks per stage (interleaving)")
-    ap.add_argument("--strategy", choices=["average", "uniform_comp"], default="uniform_comp")
-    ap.add_argument("--num-layers", type=int, default=32)
-    ap.add_argument("--hidden-size", type=int, default=4096)
-    ap.add_argument("--seq-length", type=int, default=32768)
-    ap.add_argument("--documents", type=float, metavar="MEAN",
+def arguments(argv):
+    ap = cli.parser(__doc__)
+    ap.add_argument("--pipeline-size", type=cli.positive_int, default=4, help="pipeline stages P")
+    ap.add_argument("--micro-batches", type=cli.positive_int, default=8, help="micro-batches m per iteration")
+    ap.add_argument("--splits", type=cli.positive_int, default=4, help="Seq1F1B sequence segments k")
+    ap.add_argument("--chunks", type=cli.positive_int, default=1, help="model chunks per stage v (interleaving)")
+    ap.add_argument("--strategy", choices=["average", "uniform_comp"], default="uniform_comp",
+                    help="how the sequence is cut into segments")
+    ap.add_argument("--num-layers", type=cli.positive_int, default=32, help="layers of the costed model")
+    ap.add_argument("--hidden-size", type=cli.positive_int, default=4096, help="hidden size of the costed model")
+    ap.add_argument("--seq-length", type=cli.positive_int, default=32768, help="tokens per micro-batch")
+    ap.add_argument("--documents", type=cli.positive_float, metavar="MEAN",
                     help="packed samples of log-normal documents of this mean length: static vs per-micro-batch "
                          "uniform_comp segments (Seq1F1B, no interleaving)")
-    ap.add_argument("--png", help="write the timeline here")
-    ap.add_argument("--paper-table", action="store_true")
+    ap.add_argument("--png", type=cli.output_path, help="write the timeline here")
+    ap.add_argument("--paper-table", action="store_true", help="print the Table 1 bubble ratios and stop")
     ap.add_argument("--from-run", help="directory of a recorded timeline")
     args = ap.parse_args(argv)
+    refusal = refused(args)
+    if refusal:
+        ap.error(refusal)
+    return ap, args
+
+
+def refused(args):
+    """Why the sizes cannot be simulated (None if they can): said before any work, in the tool's
+    own flag names where the library would name the trainer's."""
+    p, m, k, v = args.pipeline_size, args.micro_batches, args.splits, args.chunks
+    if k > args.seq_length:
+        return f"--splits {k} does not fit --seq-length {args.seq_length}: at most one segment per token"
+    if args.documents is not None and v != 1:
+        return f"--documents runs without interleaving: leave out --chunks {v}"
+    if args.documents is not None and args.png:
+        return "--documents prints a table and draws no timeline: leave out --png"
+    # the table compares against the baseline of one segment: it has to run too
+    for splits, what in ((k, ""), (1, f"the baseline 1F1B{'-I' if v > 1 else ''} (--splits 1): ")):
+        try:
+            check(p, m, splits, v)
+        except ScheduleError as err:
+            return f"{what}{err}"
+    return None
+
+
+def from_run(ap, args):
+    try:
+        events, p = recorded_events(args.from_run)
+    except cli.ToolError as err:
+        ap.error(str(err))
+    if not events:
+        ap.error(f"--from-run {args.from_run}: no rank_*.json timeline there (record one with "
+                 "pretrain_gpt.py --pipeline-timeline DIR)")
+    busy = sum(e[3] - e[2] for e in events)
+    span = max(e[3] for e in events) - min(e[2] for e in events)
+    print(f"recorded run: {p} stages, {len(events)} operations, bubble ratio {1 - busy / (p * span):.3f}")
+    if args.png:
+        plot(events, p, args.png, f"recorded timeline ({args.from_run})", "s, wall clock")
+
+
+def documents(args):
+    p, m, k = args.pipeline_size, args.micro_batches, args.splits
+    print(f"P={p} m={m} k={k} seq={args.seq_length} L={args.num_layers} h={args.hidden_size}, "
+          f"log-normal documents of mean {args.documents:g} tokens")
+    print(f"{'uniform_comp':>16} {'time':>8} {'bubble':>8}  (time: micro-batch forwards on the whole model)")
+    for label, t in packed(p, m, k, args.seq_length, args.num_layers, args.hidden_size, args.documents).items():
+        print(f"{label:>16} {t.makespan:>8.3f} {t.bubble_ratio:>8.3f}")
+
+
+def main(argv=None):
+    ap, args = arguments(argv)
     if args.paper_table:
         print(paper_table())
         return
     if args.from_run:
-        events, p = recorded_events(args.from_run)
-        if not events:
-            ap.error(f"--from-run {args.from_run}: no rank_*.json timeline there (record one with "
-                     "pretrain_gpt.py --pipeline-timeline DIR)")
-        busy = sum(e[3] - e[2] for e in events)
-        span = max(e[3] for e in events) - min(e[2] for e in events)
-        print(f"recorded run: {p} stages, {len(events)} operations, bubble ratio {1 - busy / (p * span):.3f}")
-        if args.png:
-            plot(events, p, args.png, f"recorded timeline ({args.from_run})", "s, wall clock")
-        return
+        return from_run(ap, args)
+    if args.documents is not None:
+        return documents(args)
     p, m, k, v = args.pipeline_size, args.micro_batches, args.splits, args.chunks
-    if args.documents:
-        print(f"P={p} m={m} k={k} seq={args.seq_length} L={args.num_layers} h={args.hidden_size}, "
-              f"log-normal documents of mean {args.documents:g} tokens")
-        print(f"{'uniform_comp':>16} {'time':>8} {'bubble':>8}  (time: micro-batch forwards on the whole model)")
-        for label, t in packed(p, m, k, args.seq_length, args.num_layers, args.hidden_size, args.documents).items():
-            print(f"{label:>16} {t.makespan:>8.3f} {t.bubble_ratio:>8.3f}")
-        return
     base = run(p, m, 1, v, args.seq_length, args.num_layers, args.hidden_size, "average")
     seq = run(p, m, k, v, args.seq_length, args.num_layers, args.hidden_size, args.strategy)
     name = "Seq1F1B" + ("-I" if v > 1 else "")
@@ -186,9 +229,9 @@ def main(argv=None):
         print(f"{label:>16} {t.bubble_ratio:>8.3f}  " + " ".join(f"{a:.2f}" for a in t.peak_activation))
     if args.png:
         plot(simulated_events(seq), p, args.png, f"{name}: P={p}, m={m}, k={k}, v={v} ({args.strategy})",
-             "one micro-batch's forward on one stage")
+             "one micro-batch's forward on the whole model")
         print(f"wrote {args.png}")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main, errors=(ScheduleError, PartitionError)))

@@ -18,7 +18,6 @@ placement against Megatron's chunks:
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -30,6 +29,7 @@ from megatron.longseq.attention.cost_model import Cluster, Workload, attention_f
 from megatron.longseq.attention.documents import (balanced_ring_tokens, lognormal_starts,  # noqa: E402
                                                    work_imbalance)
 from megatron.longseq.attention.placement import ring_chunks  # noqa: E402
+from tools import cli  # noqa: E402
 
 
 def document_packs(args):
@@ -64,38 +64,58 @@ def _document_balance(p, args):
     print(balance_table(packs, args.context_parallel_size))
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
-    p.add_argument("--seq-length", type=int, required=True)
-    p.add_argument("--hidden-size", type=int)
-    p.add_argument("--num-attention-heads", type=int)
-    p.add_argument("--num-query-groups", type=int, help="KV heads (default: MHA)")
-    p.add_argument("--context-parallel-size", type=int, nargs="+", required=True,
+def arguments(argv):
+    p = cli.parser(__doc__, allow_abbrev=False)
+    p.add_argument("--seq-length", type=cli.positive_int, required=True, help="tokens per sample S")
+    p.add_argument("--hidden-size", type=cli.positive_int, help="hidden size D (planning needs it)")
+    p.add_argument("--num-attention-heads", type=cli.positive_int, help="query heads H (planning needs it)")
+    p.add_argument("--num-query-groups", type=cli.positive_int, help="KV heads H_kv, dividing H (None: MHA)")
+    p.add_argument("--context-parallel-size", type=cli.positive_int, nargs="+", required=True,
                    help="one size to plan; with --document-balance, every ring size to compare")
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--nics-per-node", type=int, default=4)
-    p.add_argument("--intra-node-gbps", type=float, default=300.0, help="GB/s per GPU (NVLink)")
-    p.add_argument("--nic-gbps", type=float, default=25.0, help="GB/s per NIC")
-    p.add_argument("--attention-tflops", type=float, default=300.0, help="sustained per GPU")
-    p.add_argument("--top", type=int, default=15)
-    p.add_argument("--document-mean-length", type=float, help="packed documents of this mean length")
-    p.add_argument("--document-sigma", type=float, default=1.0, help="log-normal shape of the lengths")
-    p.add_argument("--document-samples", type=int, default=64, help="sample packs drawn")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gpus-per-node", type=cli.positive_int, default=8, help="GPUs per node")
+    p.add_argument("--nics-per-node", type=cli.positive_int, default=4, help="network cards per node")
+    p.add_argument("--intra-node-gbps", type=cli.positive_float, default=300.0, help="GB/s per GPU (NVLink)")
+    p.add_argument("--nic-gbps", type=cli.positive_float, default=25.0, help="GB/s per NIC")
+    p.add_argument("--attention-tflops", type=cli.positive_float, default=300.0, help="sustained per GPU")
+    p.add_argument("--top", type=cli.positive_int, default=15, help="rows of the table")
+    p.add_argument("--document-mean-length", type=cli.positive_float, help="packed documents of this mean length")
+    p.add_argument("--document-sigma", type=cli.nonnegative_float, default=1.0,
+                   help="log-normal shape of the lengths")
+    p.add_argument("--document-samples", type=cli.positive_int, default=64, help="sample packs drawn")
+    p.add_argument("--seed", type=int, default=0, help="seed of the document lengths")
     p.add_argument("--document-balance", action="store_true", help="print the placement balance table only")
-    args = p.parse_args(argv)
+    return p, p.parse_args(argv)
+
+
+def _planning_refusal(args):
+    """Why the flags name no layout to plan (None if they do), before any planning."""
+    if args.hidden_size is None or args.num_attention_heads is None or len(args.context_parallel_size) != 1:
+        return "planning needs --hidden-size, --num-attention-heads and one --context-parallel-size"
+    heads, groups, cp = args.num_attention_heads, args.num_query_groups, args.context_parallel_size[0]
+    if groups is not None and heads % groups:
+        return f"--num-query-groups {groups} does not divide --num-attention-heads {heads}"
+    granularity = 2 * cp if cp > 1 else 1  # the load-balanced ring's two chunks per position, as the trainer's
+    if args.seq_length % granularity:
+        return f"--seq-length {args.seq_length} is not divisible by 2 x --context-parallel-size {cp}"
+    return None
+
+
+def main(argv=None):
+    p, args = arguments(argv)
     if args.document_balance:
         return _document_balance(p, args)
-    if args.hidden_size is None or args.num_attention_heads is None or len(args.context_parallel_size) != 1:
-        p.error("planning needs --hidden-size, --num-attention-heads and one --context-parallel-size")
+    refusal = _planning_refusal(args)
+    if refusal:
+        p.error(refusal)
     args.context_parallel_size = args.context_parallel_size[0]
-    work = Workload(args.seq_length, args.hidden_size, args.num_attention_heads,
-                    args.num_query_groups or args.num_attention_heads, documents=document_packs(args))
+    kv_heads = args.num_attention_heads if args.num_query_groups is None else args.num_query_groups
+    work = Workload(args.seq_length, args.hidden_size, args.num_attention_heads, kv_heads,
+                    documents=document_packs(args))
     cluster = Cluster(args.gpus_per_node, args.nics_per_node, args.intra_node_gbps, args.nic_gbps,
                       args.attention_tflops)
     plans = rank_plans(work, cluster, args.context_parallel_size)
-    if not plans:
-        p.error("no legal layout: the heads do not split over any head-parallel size")
+    if not plans:  # head parallelism 1 always splits once the groups divide the heads: a safeguard
+        raise cli.ToolError("no legal layout: the heads do not split over any head-parallel size")
     print(f"S={work.seq_length} D={work.hidden} H={work.heads} H_kv={work.kv_heads} d_sp={args.context_parallel_size} "
           f"| {cluster.gpus_per_node} GPUs x {cluster.nics_per_node} NICs per node")
     if work.documents:
@@ -104,10 +124,11 @@ def main(argv=None):
     print(f"{'rank':>4} {'hp':>4} {'ring':>5} {'inner':>5} {'placement':>13} {'alltoall ms':>12} "
           f"{'ring ms':>9} {'total ms':>9}  inter-node p2p")
     for i, plan in enumerate(plans[: args.top], 1):
-        cross = ",".join(n for n, c in (("inner", plan.p2p_inner_crosses_nodes), ("outer", plan.p2p_outer_crosses_nodes)) if c) or "-"
+        crossing = (("inner", plan.p2p_inner_crosses_nodes), ("outer", plan.p2p_outer_crosses_nodes))
+        cross = ",".join(n for n, c in crossing if c) or "-"
         print(f"{i:>4} {plan.hp:>4} {plan.ring:>5} {plan.inner:>5} {plan.placement:>13} "
               f"{plan.t_alltoall * 1e3:>12.2f} {plan.t_ring * 1e3:>9.2f} {plan.total * 1e3:>9.2f}  {cross}")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

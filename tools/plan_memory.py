@@ -1,4 +1,5 @@
-"""Plan MEMO's memory offline and draw the plan.
+"""Plan MEMO's memory offline and draw the plan: of a saved trace (--trace), or of a model profiled
+here, given by pretrain_gpt.py's model flags after `--` (this tool's own flags go before it).
 
     # profile a model (pretrain_gpt.py's model flags, one rank; on the GPU where there is one) and plan it
     python tools/plan_memory.py --out plan.json --png plan.png --planner cpsat -- \\
@@ -12,7 +13,6 @@ The plan file is what pretrain_gpt.py --memo-plan reuses.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import megatron.longseq  # noqa: E402,F401  (quiet megatron-core's import-time warnings first)
 from megatron.longseq.memo.planner import bilevel_plan, draw  # noqa: E402
 from megatron.longseq.memo.trace import Trace  # noqa: E402
+from tools import cli  # noqa: E402
 
 
 # What pretrain_gpt.py requires but a memory plan does not depend on, when the flags leave it out.
@@ -86,25 +87,47 @@ def _loss(model, batch):
     return out.float().mean()
 
 
+def arguments(argv):
+    """(parser, this tool's flags, the model flags after --)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    ap = cli.parser(__doc__, usage="%(prog)s [options] (--trace PATH | -- PRETRAIN_GPT_MODEL_FLAGS ...)")
+    ap.add_argument("--trace", help="plan this saved trace instead of profiling the model flags after --")
+    ap.add_argument("--save-trace", type=cli.output_path, help="write the profiled trace here")
+    ap.add_argument("--planner", choices=["gurobi", "cpsat", "greedy"], default="gurobi", help="the solver")
+    ap.add_argument("--time-limit", type=cli.positive_float, default=30.0, help="seconds per solver call")
+    ap.add_argument("--out", type=cli.output_path, help="plan JSON (what pretrain_gpt.py --memo-plan reads)")
+    ap.add_argument("--png", type=cli.output_path, help="drawing of the plan")
+    args = ap.parse_args(argv[:cut])
+    model_flags = argv[cut + 1:]
+    if bool(args.trace) == bool(model_flags):
+        ap.error("give --trace PATH or pretrain_gpt.py model flags after --" +
+                 (", not both" if model_flags else ""))
+    return ap, args, model_flags
+
+
+def load_trace(path: str) -> Trace:
+    """The saved trace at `path`; a missing, unreadable or malformed file is the tool's one line."""
+    try:
+        trace = Trace.load(path)
+        trace.windows()  # the layer windows the planner reads: a mangled event list shows here
+        return trace
+    except OSError as err:
+        raise cli.ToolError(f"--trace {path}: cannot read it: {err.strerror}") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as err:  # JSON's errors are ValueErrors
+        said = str(err) if "not a memo trace file" in str(err) else \
+            f"{path} is not a memo trace file ({type(err).__name__}: {err})"
+        raise cli.ToolError(f"--trace {said}") from None
+
+
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    model_flags = argv[argv.index("--") + 1:] if "--" in argv else []
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--trace", help="plan this saved trace instead of profiling a model")
-    ap.add_argument("--save-trace", help="write the profiled trace here")
-    ap.add_argument("--planner", choices=["gurobi", "cpsat", "greedy"], default="gurobi")
-    ap.add_argument("--time-limit", type=float, default=30.0)
-    ap.add_argument("--out", help="plan JSON")
-    ap.add_argument("--png", help="drawing of the plan")
-    args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
-    if not args.trace and not model_flags:
-        ap.error("give --trace PATH or pretrain_gpt.py model flags after --")
+    ap, args, model_flags = arguments(argv)
     from megatron.training.arguments import ArgsError
 
     try:
-        trace = Trace.load(args.trace) if args.trace else profile_model(model_flags, args.save_trace)
-    except ArgsError as err:  # the model flags after --, in pretrain_gpt.py's one line
-        ap.error(f"model flags: {err}")
+        trace = load_trace(args.trace) if args.trace else profile_model(model_flags, args.save_trace)
+    except (ArgsError, cli.ToolError) as err:  # the model flags after --, in pretrain_gpt.py's one line
+        ap.error(f"model flags: {err}" if isinstance(err, ArgsError) else str(err))
     plan = bilevel_plan(trace, args.planner, args.time_limit)
     s = plan.summary()
     print(f"{len(trace.events)} events, {len(trace.windows())} layer windows")
@@ -125,4 +148,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))
