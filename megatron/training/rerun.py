@@ -67,17 +67,19 @@ def relative_difference(a: float, b: float) -> float:
 class Injector:
     """Megatron's error injector: on the first run, a check call is rejected when
     (r + rank) % rate == 0 for r uniform in [0, rate), at most once per iteration; the injected
-    type then decides how the reruns compare. Its own generator: training streams stay untouched."""
+    type then decides how the reruns compare. r is drawn from (seed, iteration, call) alone: the
+    training streams stay untouched, and a run resumed from a checkpoint draws what the
+    uninterrupted run drew (no generator state to save)."""
 
     def __init__(self, rate: int, kind: str, rank: int, seed: int):
-        self.rate, self.kind, self.rank = rate, kind, rank
-        self.random = random.Random(seed)
+        self.rate, self.kind, self.rank, self.seed = rate, kind, rank, seed
         self.pending: Optional[str] = None  # the type injected and not yet judged
 
-    def inject(self) -> bool:
+    def inject(self, iteration: int, call: Tuple[str, int]) -> bool:
         if self.rate <= 0 or self.pending is not None:
             return False
-        if (self.random.randrange(self.rate) + self.rank) % self.rate:
+        draw = random.Random(f"{self.seed}:{iteration}:{call[0]}:{call[1]}").randrange(self.rate)
+        if (draw + self.rank) % self.rate:
             return False
         self.pending = self.kind
         return True
@@ -271,7 +273,7 @@ class RerunMachine:
             self.differences.append(relative_difference(self.first_values[i], value))
 
     def _first(self, call: Call, value: float, check: Check) -> None:
-        injected = self.injector.inject()
+        injected = self.injector.inject(self.iteration, call)
         if injected or check.reject(value):
             self.failure = Failure(call, value, injected)
             self.log(f"rerun: {check.name} ({value}{', injected' if injected else ''}) at iteration "

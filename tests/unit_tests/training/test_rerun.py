@@ -102,13 +102,20 @@ def test_injected_errors_take_megatrons_paths(kind, in_place, elsewhere):
     assert any(elsewhere in line for line in other.logs)
 
 
-def test_injection_rate_n_rejects_about_one_check_in_n():
-    injector = Injector(10, "transient_error", rank=3, seed=0)
-    hits = 0
-    for _ in range(2000):
-        hits += injector.inject()
+def _injections(iterations) -> list:
+    injector, hits = Injector(10, "transient_error", rank=3, seed=0), []
+    for i in iterations:
+        hits.append(injector.inject(i, ("loss", 1)))
         injector.pending = None  # judged
-    assert 150 < hits < 250
+    return hits
+
+
+def test_injection_rate_n_rejects_about_one_check_in_n():
+    hits = _injections(range(2000))
+    assert 150 < sum(hits) < 250
+    # a function of (seed, iteration, call): a resumed run, starting at iteration 1000 with nothing
+    # drawn yet, injects where the uninterrupted run did
+    assert _injections(range(1000, 2000)) == hits[1000:]
 
 
 def test_a_spiky_loss_reruns_and_goes_on_with_the_rerun():
