@@ -69,8 +69,10 @@ def command(case: Case, extra: List[str], data_prefix: Optional[str]) -> List[st
 
 
 class Curve(dict):
-    """{iteration: lm loss} of a run as printed, with the run's standard output as `.log` and its
-    tensorboard scalars of METRICS and COMPARED as `.metrics` ({metric: {iteration: value}})."""
+    """{iteration: lm loss} of a run, each iteration's own as tensorboard has it (a printed line
+    averages its interval, and the second line of a process also the first iteration, as
+    Megatron's), with the run's standard output as `.log` and its tensorboard scalars of METRICS
+    and COMPARED as `.metrics` ({metric: {iteration: value}})."""
 
     log = ""
     metrics: Dict[str, Dict[int, float]] = {}
@@ -96,9 +98,20 @@ def run_case(case: Case, workdir: Path, extra: List[str] = (), timeout: int = 60
                           text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{case.name} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-4000:]}")
-    curve = Curve((int(m.group(1)), float(m.group(2))) for m in LINE.finditer(proc.stdout))
-    curve.log, curve.metrics = proc.stdout, read_metrics(tensorboard)
+    metrics = read_metrics(Path(last_value(flags, "--tensorboard-dir")))
+    curve = Curve(metrics.get("lm loss", {}))
+    curve.log, curve.metrics = proc.stdout, metrics
     return curve
+
+
+def last_value(flags: List[str], name: str) -> str:
+    """The value argparse keeps for `name`: its last one."""
+    return flags[max(i for i, f in enumerate(flags) if f == name) + 1]
+
+
+def printed(log: str) -> Dict[int, float]:
+    """{iteration: lm loss} of the printed lines (each its interval's mean)."""
+    return {int(m.group(1)): float(m.group(2)) for m in LINE.finditer(log)}
 
 
 def golden_path(name: str) -> Path:
