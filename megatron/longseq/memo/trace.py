@@ -34,7 +34,8 @@ class Trace:
 
     @classmethod
     def load(cls, path: str) -> "Trace":
-        blob = json.load(open(path))
+        with open(path) as f:
+            blob = json.load(f)
         if blob.get("format") != "memo-trace-1":
             raise ValueError(f"{path} is not a memo trace file")
         return cls([tuple(e) for e in blob["events"]])
