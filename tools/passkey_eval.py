@@ -140,7 +140,9 @@ def score(model, data: PasskeyDataset, batch: int) -> Tuple[float, float]:
         tokens = torch.stack([s["tokens"] for s in samples])  # [b, s]
         keys = torch.stack([s["labels"][-n:] for s in samples])  # [b, n]: the key after QUERY
         with torch.no_grad():
-            logits = model(input_ids=tokens).logits[:, -n:].float()  # [b, n, vocab]: the predictions of the key
+            # [b, n, vocab]: the predictions of the key alone (not [b, s, vocab]: 2 GB per 4K-token
+            # sample at a 128K vocabulary)
+            logits = model(input_ids=tokens, logits_to_keep=n).logits.float()
         hits += int((logits.argmax(-1) == keys).all(-1).sum())
         ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), keys.flatten(), reduction="none")
         loss += float(ce.view(-1, n).mean(-1).sum())

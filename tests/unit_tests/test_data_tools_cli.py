@@ -205,14 +205,17 @@ def test_passkey_eval_wants_an_hf_export(model_dir, tmp_path, capsys):
 
 class _Oracle(torch.nn.Module):
     """Predicts every next token of `data`'s samples right (logit 10 on it), except the key tokens
-    listed in `wrong` ({sample: key position}), where it predicts key id 19 or 18 instead."""
+    listed in `wrong` ({sample: key position}), where it predicts key id 19 or 18 instead. Asked,
+    as transformers' causal LMs are, for the last `logits_to_keep` positions only: the eval must not
+    build [b, s, vocab] logits."""
 
     def __init__(self, data, wrong):
         super().__init__()
         self.next = {tuple(data[i]["tokens"].tolist()): (i, data[i]["labels"]) for i in range(len(data))}
         self.wrong, self.n = wrong, data.key_length
 
-    def forward(self, input_ids):
+    def forward(self, input_ids, logits_to_keep):
+        assert logits_to_keep == self.n
         rows = []
         for tokens in input_ids:
             i, labels = self.next[tuple(tokens.tolist())]
@@ -220,7 +223,7 @@ class _Oracle(torch.nn.Module):
             if i in self.wrong:
                 at = len(labels) - self.n + self.wrong[i]
                 guess[at] = 19 if guess[at] != 19 else 18
-            rows.append(10.0 * torch.nn.functional.one_hot(guess, VOCAB).float())
+            rows.append(10.0 * torch.nn.functional.one_hot(guess[-logits_to_keep:], VOCAB).float())
         return type("Out", (), {"logits": torch.stack(rows)})
 
 
