@@ -171,13 +171,9 @@ def refusal(args, cmd) -> str:
     if measured_iterations(args.iters, args.warmup) < 1:
         return (f"--iters {args.iters} leaves no iteration to measure: the means drop the first "
                 f"max(--warmup, 2) = {max(args.warmup, 2)} logged iterations")
-    if args.log_dir:
-        try:
-            os.makedirs(args.log_dir, exist_ok=True)
-        except OSError as err:  # an existing file included ("File exists")
-            return f"--log-dir {args.log_dir}: cannot make that directory: {err.strerror}"
-        if not os.access(args.log_dir, os.W_OK | os.X_OK):
-            return f"--log-dir {args.log_dir}: cannot write in that directory"
+    unusable = cli.make_directory(args.log_dir) if args.log_dir else ""
+    if unusable:
+        return f"--log-dir: {unusable}"
     errors = trainer_flag_errors(cmd)
     return f"pretrain_gpt.py flags: {'; '.join(errors)}" if errors else ""
 

@@ -46,6 +46,18 @@ def output_path(text: str) -> str:
     return text
 
 
+def make_directory(path) -> str:
+    """Make the directory `path` (with its parents) to write in: why it cannot be, or "" (said
+    before the work, not after it)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as err:  # an existing file included ("File exists")
+        return f"cannot make the directory {path}: {err.strerror}"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"cannot write in the directory {path}"
+    return ""
+
+
 def run(main: Callable[[Optional[Sequence[str]]], Optional[int]], argv: Optional[Sequence[str]] = None,
         errors: Tuple[Type[BaseException], ...] = ()) -> int:
     """main(argv)'s exit status; a ToolError (or one of `errors`, a library's refusal) is one line

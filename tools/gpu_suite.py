@@ -33,7 +33,6 @@ or, where it has none, says in one line that it needs CUDA.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import functools
 import json
@@ -267,25 +266,17 @@ class Suite:
         self.log.close()
 
 
-def output_dir(text: str) -> Path:
-    """OUT: a directory, made (with its parents) if missing; an existing file is refused."""
-    if os.path.exists(text) and not os.path.isdir(text):
-        raise argparse.ArgumentTypeError(f"{text} exists and is not a directory")
-    return Path(text)
-
-
 def main(argv=None) -> int:
     p = cli.parser(__doc__)
-    p.add_argument("out", type=output_dir, help="directory for suite.md, suite.json and suite.log")
+    p.add_argument("out", type=Path, help="directory for suite.md, suite.json and suite.log")
     p.add_argument("--parts", nargs="+", choices=list(PARTS), default=list(PARTS), help="the parts to run, in order")
     p.add_argument("--budget", type=cli.positive_float, default=540.0,
                    help="seconds after which no command starts and a running one is stopped (a device "
                         "command's 10 minutes less a minute for installing and copying back)")
     args = p.parse_args(argv)
-    try:  # before the device is asked its name: the record has to have somewhere to go
-        args.out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        p.error(f"argument out: cannot make {args.out}: {err.strerror}")
+    unusable = cli.make_directory(args.out)  # before the device is asked its name: the record needs a place
+    if unusable:
+        p.error(f"argument out: {unusable}")
     invoked = shown([__file__, *(sys.argv[1:] if argv is None else argv)])
     # nvidia-smi, not torch: this process stays off the GPU its commands use
     suite = Suite(args.out, args.budget, device_name() != "CPU", invoked)

@@ -61,10 +61,9 @@ def parse_args(argv=None):
         if args.tokenizer_type == "GPT2BPETokenizer" and not os.path.isfile(getattr(args, name)):
             p.error(f"{flag(name)}: no file {getattr(args, name)}")
     directory = os.path.dirname(os.path.abspath(args.output_prefix))
-    try:  # last, so that a refused command leaves no directory behind
-        os.makedirs(directory, exist_ok=True)
-    except OSError as err:
-        p.error(f"--output-prefix: cannot make the directory {directory}: {err.strerror}")
+    unusable = cli.make_directory(directory)  # last, so that a refused command leaves no directory behind
+    if unusable:
+        p.error(f"--output-prefix: {unusable}")
     return args
 
 

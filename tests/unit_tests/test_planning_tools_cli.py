@@ -83,13 +83,13 @@ BAD = [  # (tool, argv, the error line's text after "error: "); "{tmp}" is a tem
     (benchmark_gpt, TINY_GPT + ["--warmup", "-1"], "argument --warmup: must be non-negative, got -1"),
     (benchmark_gpt, TINY_GPT + ["--", "--bogus-flag"], "pretrain_gpt.py flags: unrecognized arguments: --bogus-flag"),
     (benchmark_gpt, TINY_GPT + ["--log-dir", "/proc/nope"],
-     "--log-dir /proc/nope: cannot make that directory: No such file or directory"),
+     "--log-dir: cannot make the directory /proc/nope: No such file or directory"),
     (benchmark_memo, TINY_MEMO + ["--iters", "1", "--warmup", "1"],
      "--iters 1 leaves no iteration to measure: the means drop the first max(--warmup, 2) = 2 logged iterations"),
     (benchmark_memo, TINY_MEMO + ["--", "--hidden-size", "x"], "pretrain_gpt.py flags: --hidden-size: invalid int "
                                                                "value: 'x'"),
     (benchmark_memo, TINY_MEMO + ["--log-dir", "/proc/nope"],
-     "--log-dir /proc/nope: cannot make that directory: No such file or directory"),
+     "--log-dir: cannot make the directory /proc/nope: No such file or directory"),
     (benchmark_attention, ["--iters", "0"], "argument --iters: must be positive, got 0"),
     (benchmark_attention, ["--heads", "4", "--kv-heads", "3"], "--kv-heads 3 does not divide --heads 4"),
     (benchmark_attention, ["--backend", "bogus"], "argument --backend: invalid choice: 'bogus' (choose from 'auto', "
@@ -97,7 +97,7 @@ BAD = [  # (tool, argv, the error line's text after "error: "); "{tmp}" is a tem
     (benchmark_attention, ["--seq-lengths", "130", "--ring", "4"],
      "--seq-lengths 130 is not divisible by 2 x --ring 4"),
     (benchmark_attention, ["--seq-lengths", "0"], "argument --seq-lengths: must be positive, got 0"),
-    (gpu_suite, ["{tmp}/afile"], "argument out: {tmp}/afile exists and is not a directory"),
+    (gpu_suite, ["{tmp}/afile"], "argument out: cannot make the directory {tmp}/afile: File exists"),
     (gpu_suite, ["{tmp}/out", "--budget", "0"], "argument --budget: must be positive, got 0"),
 ]
 
