@@ -296,12 +296,25 @@ def load_checkpoint(args, state, pgs) -> bool:
     for key, model in zip(model_keys(state.model), unwrap(state.model)):
         model.load_state_dict(_in_model_names(model, obj[key]), strict=True)
     state.optimizer.reload_model_params()
-    if os.path.basename(path) == RELEASE or args.finetune:
+    if model_only(args, path):
         return True
     if not args.no_load_optim:
         _load_optimizer(args, state, obj, rank_dir, pgs)
+        state.scheduler.load_state_dict(obj[SCHEDULE])  # check_schedule compared it at start-up
     _load_progress(args, state, obj, pgs)
     return True
+
+
+def model_only(args, path: str) -> bool:
+    """Megatron's rule: a released model (tracker `release`) or --finetune loads the weights only, and
+    training starts afresh from them: iteration 0, a new optimizer, schedule, RNG and data position."""
+    return os.path.basename(path) == RELEASE or args.finetune
+
+
+def loads_schedule(args, path: str) -> bool:
+    """The LR schedule rides with the optimizer state (Megatron's rule): --no-load-optim starts it
+    afresh too, at step 0 from this run's flags, while the iteration and data position carry on."""
+    return not model_only(args, path) and not args.no_load_optim
 
 
 def _load_optimizer(args, state, obj: dict, rank_dir: str, pgs) -> None:
@@ -326,8 +339,7 @@ def _load_optimizer(args, state, obj: dict, rank_dir: str, pgs) -> None:
 
 
 def _load_progress(args, state, obj: dict, pgs) -> None:
-    """Schedule (check_schedule has compared it at start-up), RNG streams, iteration and data position."""
-    state.scheduler.load_state_dict(obj[SCHEDULE])
+    """RNG streams, iteration and data position."""
     if not args.no_load_rng and "rng_state" in obj:
         load_rng_state_dict(replica_rng_state(obj["rng_state"], pgs))
     state.iteration = obj["iteration"]

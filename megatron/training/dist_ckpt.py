@@ -48,8 +48,8 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 from megatron.longseq.random import load_rng_state_dict, rng_state_dict
 from megatron.training.rerun import gathered_states, restore_states
 from megatron.training.checkpointing import (
-    CHECKPOINT_VERSION, LAYOUT_ARGS, SCHEDULE, CheckpointError, check_args, fresh_dir, iteration_dir, load_position, model_keys,
-    on_rank_0, publish, recorded, saved_args)
+    CHECKPOINT_VERSION, LAYOUT_ARGS, SCHEDULE, CheckpointError, check_args, fresh_dir, iteration_dir, load_position,
+    loads_schedule, model_keys, model_only, on_rank_0, publish, recorded, saved_args)
 from megatron.training.metrics import print_rank_0
 from megatron.training.model import unwrap
 from megatron.training.optimizer import MODEL_SPACE
@@ -344,12 +344,12 @@ def load_checkpoint(args, state, pgs, path: str) -> None:
         verify_integrity(path)
     common = dist_checkpointing.load_common_state_dict(path)
     check_args(_model_args(common), args)
-    load_optim = not args.no_load_optim and not args.finetune  # --finetune: the model only
+    load_optim = loads_schedule(args, path)  # the optimizer state and the schedule go together
     if load_optim and "optimizer_steps" not in common:
         raise CheckpointError(f"{path} holds no optimizer state: load with --no-load-optim")
     targets = _load_targets(state.optimizer) if load_optim else None
     # RNG streams belong to ranks: a run with another layout starts its own (as Megatron does).
-    rng = common["rng_saved"] and not args.no_load_rng and not args.finetune and common["layout"] == _layout(pgs)
+    rng = common["rng_saved"] and not args.no_load_rng and not model_only(args, path) and common["layout"] == _layout(pgs)
     sharded = _sharded(state, pgs, targets, rng, state.optimizer.reads_first)
     loaded = dist_checkpointing.load(sharded, path, _load_strategy(args, pgs), strict=args.dist_ckpt_strictness)
     if isinstance(loaded, tuple):  # the return_* strictness modes also hand back the mismatches
@@ -364,9 +364,10 @@ def load_checkpoint(args, state, pgs, path: str) -> None:
             state.optimizer.scaler.load_state_dict(common["grad_scaler"])
     else:
         state.optimizer.reload_model_params()
-    if args.finetune:  # training starts afresh from these weights: iteration 0, new schedule
+    if model_only(args, path):
         return
-    state.scheduler.load_state_dict(common[SCHEDULE])  # compared at start-up (check_schedule)
+    if load_optim:
+        state.scheduler.load_state_dict(common[SCHEDULE])  # compared at start-up (check_schedule)
     if rng:
         load_rng_state_dict(loaded["rng_state"])
     state.iteration = common["iteration"]

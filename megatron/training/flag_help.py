@@ -77,7 +77,7 @@ HELP = {
     '--save-interval': 'steps between checkpoints',
     '--no-save-optim': 'checkpoints without optimizer state',
     '--no-save-rng': 'checkpoints without RNG state',
-    '--no-load-optim': 'resume without the optimizer state',
+    '--no-load-optim': 'resume without the optimizer state and its LR schedule (which restarts at step 0)',
     '--no-load-rng': 'resume without the RNG state',
     '--log-interval': 'steps between log lines',
     '--eval-iters': 'batches per evaluation (0: none)',

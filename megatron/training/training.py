@@ -24,8 +24,8 @@ from megatron.longseq.pipeline.seq1f1b import Pipeline, forward_backward_seq1f1b
 from megatron.training.arguments import ArgsError, parse
 from megatron.training import dist_ckpt
 from megatron.training.checkpointing import (
-    RELEASE, SCHEDULE, CheckpointError, carry_model_card, check_args, check_schedule, checkpoint_format, latest_checkpoint,
-    load_checkpoint, recorded_args, same_tracker_everywhere, save_checkpoint, schedule_of)
+    SCHEDULE, CheckpointError, carry_model_card, check_args, check_schedule, checkpoint_format, latest_checkpoint,
+    load_checkpoint, loads_schedule, recorded_args, same_tracker_everywhere, save_checkpoint, schedule_of)
 from megatron.training.data import build_loader, train_valid_test_num_samples
 from megatron.training.exits import ExitWatch
 from megatron.training.distributed import GradBuffer
@@ -410,7 +410,7 @@ def check_load(args, pgs) -> None:
             sharded = checkpoint_format(path, args) == "torch_dist"
             saved = dist_ckpt.recorded_args(path) if sharded else recorded_args(path, pgs)
             check_args(saved, args)
-            if os.path.basename(path) != RELEASE and not args.finetune:  # else the schedule starts afresh
+            if loads_schedule(args, path):
                 check_schedule(saved.get(SCHEDULE), args)
     except ValueError as err:
         error = f"--load {args.load}: {err}"

@@ -77,7 +77,7 @@ def _saved(tmp_path, fmt):
 def test_a_changed_schedule_is_one_line_before_anything_is_built(tmp_path, fmt):
     """A longer --train-iters on resume moves the LR decay and the weight-decay span (both in
     samples); megatron-core's scheduler would assert after the model is built. Said at start-up,
-    with both ways out; either flag, or --finetune (a new schedule), lets it load."""
+    with both ways out; either flag, or --finetune / --no-load-optim (a new schedule), lets it load."""
     from megatron.training.arguments import ArgsError
     from megatron.training.training import check_load
 
@@ -88,7 +88,8 @@ def test_a_changed_schedule_is_one_line_before_anything_is_built(tmp_path, fmt):
             r"here, 20 in the checkpoint, weight-decay samples \(--train-iters x --global-batch-size\) 24 here, "
             r"20 in the checkpoint\): pass --use-checkpoint-opt_param-scheduler .* or --override-opt_param-scheduler")):
         check_load(tiny_args(longer), pgs)
-    for way in ("--use-checkpoint-opt_param-scheduler", "--override-opt_param-scheduler", "--finetune"):
+    for way in ("--use-checkpoint-opt_param-scheduler", "--override-opt_param-scheduler", "--finetune",
+                "--no-load-optim"):
         check_load(tiny_args(f"{longer} {way}"), pgs)
 
 
@@ -124,3 +125,55 @@ def test_an_optimizer_state_that_does_not_carry_over_is_one_line(tmp_path):
     with pytest.raises(ArgsError, match=r"^--load .*: .*mp_rank_00 was saved without --use-distributed-optimizer, "
                                         r"this run differs: .* \(load with --no-load-optim\)$"):
         load_and_report(args, state, pgs)
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_no_load_optim_starts_the_schedule_afresh_and_keeps_the_position(tmp_path, fmt):
+    """Megatron's rule: the LR schedule is loaded with the optimizer state, so --no-load-optim starts
+    it at step 0 under this run's flags (another --lr is no refusal), while the weights, the
+    iteration and the data position carry on."""
+    from megatron.training.training import check_load, load_and_report
+    from tests.unit_tests.training.test_checkpointing import train_one_step
+
+    args, pgs, state = make_state(tmp_path, f"--ckpt-format {fmt} --lr-warmup-iters 4")
+    for _ in range(2):
+        train_one_step(state, args)
+    save_checkpoint(args, state, pgs) if fmt == "torch" else _save_dist(args, state, pgs)
+    weights = state.model[0].state_dict()
+    new_run = f"--ckpt-format {fmt} --lr-warmup-iters 4 --lr 2e-3 --no-load-optim"
+    check_load(tiny_args(f"--load {tmp_path} --bf16 {new_run}"), pgs)
+    args2, _, resumed = make_state(tmp_path, new_run)
+    load_and_report(args2, resumed, pgs)
+    assert (resumed.iteration, resumed.consumed_train_samples) == (2, 2 * args.global_batch_size)
+    assert resumed.scheduler.num_steps == 0 and resumed.optimizer.adam_steps() == 0
+    assert resumed.scheduler.max_lr == 2e-3
+    for key, value in resumed.model[0].state_dict().items():
+        if torch.is_tensor(value):
+            assert torch.equal(value, weights[key]), key
+
+
+def _save_dist(args, state, pgs):
+    from megatron.training.dist_ckpt import CheckpointSaver
+
+    state.saver = CheckpointSaver(args, pgs, torch.device("cpu"))
+    state.saver.save(state)
+    state.saver.finish(blocking=True)
+
+
+def test_a_released_torch_dist_checkpoint_loads_the_model_only(tmp_path):
+    """As in the torch format (Megatron's rule): tracker `release` means iteration 0 and a new
+    optimizer, schedule and data position, even when the checkpoint holds them."""
+    from megatron.training.training import load_and_report
+    from tests.unit_tests.training.test_checkpointing import train_one_step
+
+    args, pgs, state = make_state(tmp_path, "--ckpt-format torch_dist")
+    for _ in range(2):
+        train_one_step(state, args)
+    _save_dist(args, state, pgs)
+    os.rename(checkpointing.iteration_dir(str(tmp_path), 2), tmp_path / checkpointing.RELEASE)
+    checkpointing.atomic_write_text(str(tmp_path / checkpointing.TRACKER), checkpointing.RELEASE)
+    _, _, released = make_state(tmp_path, "--ckpt-format torch_dist")
+    load_and_report(args, released, pgs)
+    assert (released.iteration, released.consumed_train_samples, released.scheduler.num_steps) == (0, 0, 0)
+    assert released.optimizer.adam_steps() == 0
+    assert torch.equal(released.optimizer.buffer.param_data, state.optimizer.buffer.param_data)
