@@ -161,10 +161,28 @@ def arguments(argv):
     ap.add_argument("--paper-table", action="store_true", help="print the Table 1 bubble ratios and stop")
     ap.add_argument("--from-run", help="directory of a recorded timeline")
     args = ap.parse_args(argv)
-    refusal = refused(args)
+    refusal = ignored(ap, args) or refused(args)
     if refusal:
         ap.error(refusal)
     return ap, args
+
+
+# What each mode reads besides its own flag: any other flag given would be silently ignored
+# (--documents refuses --chunks and --png itself, with its reason)
+MODE_READS = {"paper_table": (), "from_run": ("png",),
+              "documents": ("pipeline_size", "micro_batches", "splits", "seq_length", "num_layers", "hidden_size",
+                            "chunks", "png")}
+
+
+def ignored(ap, args):
+    """A flag the chosen mode would not read, named (None if every flag given is read)."""
+    for mode, reads in MODE_READS.items():
+        if getattr(args, mode) not in (None, False):
+            unread = [f"--{name.replace('_', '-')}" for name, value in vars(args).items()
+                      if name != mode and name not in reads and value != ap.get_default(name)]
+            if unread:
+                return f"--{mode.replace('_', '-')} does not read {', '.join(unread)}: leave it out"
+    return None
 
 
 def refused(args):
