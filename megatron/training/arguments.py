@@ -36,7 +36,16 @@ UNSUPPORTED = {
     "--save-retain-interval": "checkpoint retention is not implemented: every save is kept",
     "--wgrad-deferral-limit": "weight-gradient deferral is not implemented",
     "--defer-embedding-wgrad-compute": "weight-gradient deferral is not implemented",
+    "--no-rope-freq": "layers without RoPE (NoPE) are not implemented (every layer rotates)",
 }
+
+# Settings read only under their switch: given without it, they would change nothing.
+_LLAMA3 = ("--use-rope-scaling", lambda a: a.use_rope_scaling)
+_YARN = ("--rope-type yarn", lambda a: a.rope_type == "yarn")
+NEEDS_SWITCH = {"--rope-scaling-factor": _LLAMA3, "--rotary-scaling-factor": _YARN, "--beta-fast": _YARN,
+                "--beta-slow": _YARN, "--mscale": _YARN, "--mscale-all-dim": _YARN,
+                "--original-max-position-embeddings": ("--use-rope-scaling or --rope-type yarn",
+                                                       lambda a: a.use_rope_scaling or a.rope_type == "yarn")}
 
 # megatron-core's StrictHandling values (spelled out: importing megatron.core costs seconds, and
 # --help and bad command lines answer before it is imported; a test keeps the two equal).
@@ -497,7 +506,13 @@ def parse(argv: Optional[List[str]] = None, extra_args_provider=None) -> Tuple[a
         raise ArgsError("; ".join(errors))
     errors += [f"{flag}: {reason}" for flag, reason in UNSUPPORTED.items()
                if getattr(args, _unsupported_dest(flag)) is not None]
-    return args, errors + _unknown(unknown)
+    return args, errors + _without_switch(args, argv) + _unknown(unknown)
+
+
+def _without_switch(args, argv: List[str]) -> List[str]:
+    given = {token.split("=", 1)[0] for token in argv if token.startswith("--")}
+    return [f"{flag} changes nothing without {switch}" for flag, (switch, on) in NEEDS_SWITCH.items()
+            if flag in given and not on(args)]
 
 
 def parse_args(argv: Optional[List[str]] = None, extra_args_provider=None) -> argparse.Namespace:

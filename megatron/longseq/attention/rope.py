@@ -82,12 +82,12 @@ def _yarn_mscale(factor: float, mscale: float) -> float:
 
 
 def attention_factor(s: RopeScaling) -> float:
-    """YaRN's multiplier of cos and sin (so of every score, squared); 1 for the other types."""
+    """YaRN's multiplier of cos and sin (so of every score, squared); 1 for the other types. Always
+    the ratio of the two mscales, as megatron-core (--mscale 1 over --mscale-all-dim 0, the defaults,
+    is YaRN's 0.1 ln f + 1); transformers' other rule for a lone mscale is mapped in convert/hf.py."""
     if s.kind != "yarn":
         return 1.0
-    if s.mscale and s.mscale_all_dim:
-        return _yarn_mscale(s.factor, s.mscale) / _yarn_mscale(s.factor, s.mscale_all_dim)
-    return _yarn_mscale(s.factor, 1.0)
+    return _yarn_mscale(s.factor, s.mscale) / _yarn_mscale(s.factor, s.mscale_all_dim)
 
 
 def inverse_frequencies(base: float, rot_dim: int, s: RopeScaling) -> torch.Tensor:

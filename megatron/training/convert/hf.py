@@ -9,6 +9,7 @@ llama3 frequency bands other than Megatron's fixed 1 and 4) is refused in one li
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -94,13 +95,32 @@ def _rope_from_hf(params: dict) -> RopeScaling:
 def _yarn_from_hf(params: dict) -> RopeScaling:
     _require(params.get("factor") is not None, "yarn rope without a factor")
     _require(params.get("truncate", True), "yarn rope with truncate=False: Megatron rounds the correction range")
+    mscale, mscale_all_dim = _yarn_mscales(params, float(params["factor"]))
     s = RopeScaling("yarn", float(params["factor"]), original_context=params["original_max_position_embeddings"],
                     beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
-                    mscale=float(params.get("mscale") or 1.0), mscale_all_dim=float(params.get("mscale_all_dim") or 0.0))
+                    mscale=mscale, mscale_all_dim=mscale_all_dim)
     given = params.get("attention_factor")
     _require(given is None or abs(given - attention_factor(s)) < 1e-12,
              f"yarn attention_factor {given} differs from the one its factor and mscales give ({attention_factor(s)})")
     return s
+
+
+def _yarn_mscales(params: dict, factor: float) -> tuple:
+    """transformers' attention factor as Megatron's (--mscale, --mscale-all-dim), whose factor is always
+    their ratio: its own pair when both are non-zero (transformers takes the ratio only then); else an
+    explicit attention_factor a, as mscale (a - 1) / (0.1 ln f) over 0; else YaRN's 0.1 ln f + 1, 1 over 0."""
+    mscale, mscale_all_dim, given = params.get("mscale"), params.get("mscale_all_dim"), params.get("attention_factor")
+    if mscale and mscale_all_dim:
+        return float(mscale), float(mscale_all_dim)
+    if given is not None and factor > 1:
+        return (float(given) - 1) / (0.1 * math.log(factor)), 0.0
+    return 1.0, 0.0
+
+
+def _whole_head_rotary(percent: float, family: str) -> float:
+    _require(percent == 1.0, f"partial rotary ({percent} of the head): {ARCHITECTURE[family]} in transformers "
+                             "rotates the whole head, so the model would not be the same")
+    return percent
 
 
 def model_from_hf(config) -> Model:
@@ -116,21 +136,23 @@ def model_from_hf(config) -> Model:
                  groups=config.num_key_value_heads or config.num_attention_heads, head_dim=head_dim,
                  vocab=config.vocab_size, max_positions=config.max_position_embeddings,
                  norm_epsilon=config.rms_norm_eps, rotary_base=float(params["rope_theta"]),
-                 rotary_percent=float(params.get("partial_rotary_factor", 1.0)),
+                 rotary_percent=_whole_head_rotary(float(params.get("partial_rotary_factor", 1.0)), family),
                  tied=bool(config.tie_word_embeddings), qkv_bias=family == "qwen2", rope=_rope_from_hf(params))
 
 
 # ---- Model -> Hugging Face config -----------------------------------------------------------------
 def _rope_to_hf(m: Model) -> dict:
     s, params = m.rope, {"rope_theta": m.rotary_base}
-    if m.rotary_percent != 1.0:
-        params["partial_rotary_factor"] = m.rotary_percent
     if s.kind == "llama3":
         params.update(rope_type="llama3", factor=s.factor, low_freq_factor=s.low_freq_factor,
                       high_freq_factor=s.high_freq_factor, original_max_position_embeddings=s.context())
     elif s.kind == "yarn":
         params.update(rope_type="yarn", factor=s.factor, original_max_position_embeddings=s.context(),
-                      beta_fast=s.beta_fast, beta_slow=s.beta_slow, mscale=s.mscale, mscale_all_dim=s.mscale_all_dim)
+                      beta_fast=s.beta_fast, beta_slow=s.beta_slow)
+        if s.mscale and s.mscale_all_dim:  # transformers takes their ratio, as Megatron
+            params.update(mscale=s.mscale, mscale_all_dim=s.mscale_all_dim)
+        else:  # transformers would ignore a lone mscale: the factor itself
+            params["attention_factor"] = attention_factor(s)
     else:
         params["rope_type"] = "default"
     if s.interpolation != 1.0:
@@ -215,7 +237,8 @@ def model_from_args(saved: dict, family: str, vocab: Optional[int]) -> Model:
                  groups=saved["num_query_groups"], head_dim=saved["kv_channels"],
                  vocab=vocab or saved.get("true_vocab_size") or saved["padded_vocab_size"],
                  max_positions=saved["max_position_embeddings"], norm_epsilon=saved["norm_epsilon"],
-                 rotary_base=float(saved["rotary_base"]), rotary_percent=saved["rotary_percent"],
+                 rotary_base=float(saved["rotary_base"]),
+                 rotary_percent=_whole_head_rotary(saved["rotary_percent"], family),
                  tied=not saved["untie_embeddings_and_output_weights"], qkv_bias=biased,
                  rope=_rope_from_args(saved))
 
@@ -230,8 +253,6 @@ def pretrain_flags(m: Model, divisible_by: int) -> List[str]:
              f"--make-vocab-size-divisible-by {divisible_by}"]
     if m.groups != m.heads:
         flags.append(f"--group-query-attention --num-query-groups {m.groups}")
-    if m.rotary_percent != 1.0:
-        flags.append(f"--rotary-percent {m.rotary_percent!r}")
     if not m.tied:
         flags.append("--untie-embeddings-and-output-weights")
     if m.qkv_bias:

@@ -147,3 +147,14 @@ def test_a_half_precision_model_computes_positions_in_fp32(precision):
     dtype = next(model.parameters()).dtype
     for got, want in zip(ropes[0].cos_sin(positions, dtype), fp32.cos_sin(positions, torch.float32)):
         torch.testing.assert_close(got.float(), want, atol=2 ** -8, rtol=0)  # one bf16 ulp at 1
+
+
+@pytest.mark.parametrize("mscale, mscale_all_dim", [(1.0, 0.0), (0.707, 0.0), (2.0, 0.0), (0.8, 0.5), (0.707, 0.707)])
+def test_yarn_attention_factor_is_megatron_cores_for_its_flags(mscale, mscale_all_dim):
+    """Megatron's --mscale / --mscale-all-dim always give the ratio of the two; a lone --mscale was
+    ignored here (transformers' rule), so a Megatron user's --mscale 0.707 changed nothing."""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import _yarn_get_concentration_factor
+    from megatron.longseq.attention.rope import RopeScaling, attention_factor
+
+    ours = attention_factor(RopeScaling("yarn", 16.0, mscale=mscale, mscale_all_dim=mscale_all_dim))
+    assert ours == pytest.approx(_yarn_get_concentration_factor(16.0, mscale, mscale_all_dim), rel=1e-15)

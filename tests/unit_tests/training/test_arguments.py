@@ -163,6 +163,12 @@ def test_padded_vocab_matches_megatron():
     ("--kv-channels 0 --ffn-hidden-size -1", 1,
      "--kv-channels must be positive, got 0; --ffn-hidden-size must be positive, got -1"),  # all at once
     ("--position-embedding-type rope --rotary-percent 2", 1, "--rotary-percent must be in (0, 1], got 2.0"),
+    # a scaling's settings without its switch would leave plain RoPE in force, silently
+    ("--position-embedding-type rope --mscale 0.707", 1, "--mscale changes nothing without --rope-type yarn"),
+    ("--position-embedding-type rope --rope-scaling-factor=16", 1,
+     "--rope-scaling-factor changes nothing without --use-rope-scaling"),
+    ("--position-embedding-type rope --original-max-position-embeddings 64", 1,
+     "--original-max-position-embeddings changes nothing without --use-rope-scaling or --rope-type yarn"),
     ("--rotary-base 0", 1, "--rotary-base must be positive, got 0"),
     ("--adam-beta1 1.5 --adam-eps -1 --weight-decay -1 --init-method-std -1", 1,
      "--adam-eps must be positive, got -1.0; --init-method-std must be >= 0, got -1.0; --weight-decay must be >= 0, "

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron.training.arguments import parse_args
-from megatron.training.convert.hf import ConvertError, model_from_hf, pretrain_flags
+from megatron.training.convert.hf import ConvertError, model_from_args, model_from_hf, pretrain_flags
 from tests.unit_tests.dist_utils import init_single_rank_world
 from tests.unit_tests.training.test_convert import (
     SEQ, _files, assert_bitwise, assert_close_rel, load_rank, our_model, run_convert, save_hf, to_ours)
@@ -35,6 +35,45 @@ def test_printed_flags_parse_back_to_the_same_numbers(theta):
     m = model_from_hf(_llama_config(rms_norm_eps=eps, rope_parameters=rope))
     args = parse_args(" ".join(pretrain_flags(m, 128)).split() + ["--seq-length", "32", "--micro-batch-size", "1"])
     assert (args.rotary_base, args.norm_epsilon, args.mscale, args.mscale_all_dim) == (int(theta), eps, mscale, mscale)
+
+
+@pytest.mark.parametrize("mscales", [{}, {"mscale_all_dim": 0.707}, {"mscale": 0, "mscale_all_dim": 0.707},
+                                     {"mscale": 0.707}, {"mscale": 0.8, "mscale_all_dim": 0.5},
+                                     {"attention_factor": 1.3}, {"mscale": 2.0, "attention_factor": 1.3}])
+def test_yarn_attention_factor_survives_import_flags_and_export(mscales):
+    """transformers takes the ratio of the two mscales only when both are non-zero (else 0.1 ln f + 1,
+    or an explicit attention_factor); megatron-core always takes it. Filling a missing mscale with 1
+    made the ratio count (x1.43 on every score at factor 16): import, the printed flags and export
+    must all give transformers' factor."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from megatron.longseq.attention.rope import attention_factor
+    from megatron.training.convert.hf import hf_config
+    from megatron.training.model import rope_scaling
+
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 16.0, "original_max_position_embeddings": 16,
+            **mscales}
+    config = _llama_config(max_position_embeddings=256, rope_parameters=rope)
+    expected = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")[1]
+    m = model_from_hf(config)
+    flags = parse_args(" ".join(pretrain_flags(m, 128)).split() + ["--seq-length", "32", "--micro-batch-size", "1"])
+    exported = hf_config(m, torch.float32)
+    for factor in (attention_factor(m.rope), attention_factor(rope_scaling(flags)),
+                   ROPE_INIT_FUNCTIONS["yarn"](exported, "cpu")[1]):
+        assert factor == pytest.approx(expected, rel=1e-12)
+
+
+def test_partial_rotary_is_refused_both_ways(tmp_path):
+    """Llama, Mistral and Qwen2 in transformers rotate the whole head whatever partial_rotary_factor
+    says (plain RoPE runs as another model, a scaled one crashes): no conversion either way."""
+    with pytest.raises(ConvertError, match=r"partial rotary \(0.5 of the head\): LlamaForCausalLM in transformers"):
+        model_from_hf(_llama_config(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                     "partial_rotary_factor": 0.5}))
+    saved = vars(parse_args("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+                            "--max-position-embeddings 32 --micro-batch-size 1 --position-embedding-type rope "
+                            "--rotary-percent 0.5 --normalization RMSNorm --swiglu --disable-bias-linear "
+                            "--vocab-size 256 --tokenizer-type NullTokenizer".split()))
+    with pytest.raises(ConvertError, match=r"partial rotary \(0.5 of the head\): LlamaForCausalLM"):
+        model_from_args({**saved, "num_query_groups": 4, "padded_vocab_size": 256}, "llama", None)
 
 
 def test_a_fractional_theta_is_refused():
