@@ -47,13 +47,13 @@ CHECKPOINT_VERSION = 3.0
 MUST_MATCH = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
               "kv_channels", "padded_vocab_size", "position_embedding_type", "normalization", "swiglu",
               "add_bias_linear", "untie_embeddings_and_output_weights", "tensor_model_parallel_size",
-              "pipeline_model_parallel_size")
+              "pipeline_model_parallel_size", "qk_layernorm", "apply_layernorm_1p")
 # Arguments recorded beside them, unchecked: what a converter needs to describe the model
 # (tools/checkpoint/convert.py writes the Hugging Face config from them).
 DESCRIBED = ("add_qkv_bias", "true_vocab_size", "norm_epsilon", "rotary_base", "rotary_percent", "rotary_interleaved",
              "max_position_embeddings", "seq_length", "rotary_seq_len_interpolation_factor", "use_rope_scaling",
              "rope_scaling_factor", "rope_type", "rotary_scaling_factor", "original_max_position_embeddings",
-             "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "qk_layernorm", "apply_layernorm_1p")
+             "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 # The layout: fixed for a torch-format checkpoint, free for a torch_dist one.
 LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
 FORMAT_FILE = "metadata.json"  # written last into a torch_dist checkpoint by megatron-core

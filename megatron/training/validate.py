@@ -109,6 +109,8 @@ def _model_args(args):
                 f"rotary dim = kv channels {args.kv_channels} x --rotary-percent "
                 f"{args.rotary_percent} = {rot} must be a positive even number")
     _check_rope_scaling(args)
+    require(not (args.test_mode and args.qk_layernorm and args.normalization == "RMSNorm"),
+            "--test-mode compares the q/k norms' biases (megatron-core), which --normalization RMSNorm lacks")
     for name in ("hidden_dropout", "attention_dropout"):
         require(0.0 <= getattr(args, name) < 1.0, f"{flag(name)} must be in [0, 1)")
     if args.tokenizer_type == "NullTokenizer":

@@ -163,6 +163,8 @@ def test_padded_vocab_matches_megatron():
     ("--kv-channels 0 --ffn-hidden-size -1", 1,
      "--kv-channels must be positive, got 0; --ffn-hidden-size must be positive, got -1"),  # all at once
     ("--position-embedding-type rope --rotary-percent 2", 1, "--rotary-percent must be in (0, 1], got 2.0"),
+    ("--qk-layernorm --normalization RMSNorm --test-mode", 1,
+     "--test-mode compares the q/k norms' biases (megatron-core), which --normalization RMSNorm lacks"),
     # a scaling's settings without its switch would leave plain RoPE in force, silently
     ("--position-embedding-type rope --mscale 0.707", 1, "--mscale changes nothing without --rope-type yarn"),
     ("--position-embedding-type rope --rope-scaling-factor=16", 1,

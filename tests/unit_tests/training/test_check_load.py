@@ -105,6 +105,9 @@ def test_a_contradicting_model_is_one_line_before_anything_is_built(tmp_path, fm
     other = tiny_args(f"--load {tmp_path} --ckpt-format {fmt} --ffn-hidden-size 128")
     with pytest.raises(ArgsError, match=f"--load {tmp_path}: checkpoint has ffn_hidden_size=256 but this run has 128"):
         check_load(other, pgs)
+    for norm in ("apply_layernorm_1p", "qk_layernorm"):  # weights that mean another model under the other setting
+        with pytest.raises(ArgsError, match=f"checkpoint has {norm}=False but this run has True"):
+            check_load(tiny_args(f"--load {tmp_path} --ckpt-format {fmt} --{norm.replace('_', '-')}"), pgs)
     flipped = "torch" if fmt == "torch_dist" else "torch_dist"
     with pytest.raises(ArgsError, match=f"is a {fmt}-format checkpoint but --ckpt-format is {flipped}"):
         check_load(tiny_args(f"--load {tmp_path} --ckpt-format {flipped}"), pgs)
