@@ -6,7 +6,8 @@ vocabulary that is 8 GiB in bf16 plus 16 GiB in fp32 on one GPU, more than a 7B-
 activations; on an H100 the fp32 copy is what stopped no recomputation at 64K and full
 recomputation at 128K (docs/benchmarks.md). Here only `chunk` tokens' logits exist at a time:
 the forward keeps each token's log-sum-exp (4 bytes) and the backward recomputes a chunk's logits
-from the hidden states the output layer saves anyway, turns them into the softmax gradient and
+from the hidden states the output layer saves anyway (under sequence parallelism this rank's share,
+gathered again as megatron-core's output layer does), turns them into the softmax gradient and
 folds it into the hidden-state and weight gradients. The price is the output layer's forward
 GEMM once more per token: 2*h*V FLOPs beside the 6*h*V the logits cost in training.
 
@@ -23,7 +24,8 @@ import torch.distributed as dist
 
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
-                                                    gather_from_sequence_parallel_region)
+                                                    gather_from_sequence_parallel_region,
+                                                    reduce_scatter_to_sequence_parallel_region)
 
 
 def _chunks(n: int, chunk: int) -> Iterator[slice]:
@@ -70,26 +72,36 @@ def _logit_grad(logits, lse, local, inside, grad_loss) -> torch.Tensor:
     return probs.mul_(grad_loss.unsqueeze(-1))
 
 
+def _whole_rows(hidden: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
+    """Every rank's rows, in rank order, where each holds a share: [n/tp, h] -> [n, h]."""
+    return gather_from_sequence_parallel_region(hidden, group=group) if sequence_parallel else hidden
+
+
 class LinearCrossEntropy(torch.autograd.Function):
     """loss[n] = cross entropy of (hidden[n] @ weight^T) against labels[n], `chunk` rows at a time.
     hidden [n, h] (model dtype), weight [V/tp, h], labels [n] (global vocabulary ids) -> [n] fp32.
     The hidden-state gradient is this rank's partial sum over its vocabulary slice: the caller
-    reduces it over tp, as the output layer's input region does."""
+    reduces it over tp, as the output layer's input region does. With `sequence_parallel`, hidden
+    is this rank's [n/tp, h] share: the whole [n, h] exists only while a pass needs it (gathered
+    again in backward, as megatron-core's output layer does, not saved: tp times the bytes), and
+    the gradient comes back reduce-scattered to the share."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, group, chunk: int):
+    def forward(ctx, hidden, weight, labels, group, chunk: int, sequence_parallel: bool = False):
+        whole = _whole_rows(hidden, group, sequence_parallel)
         local, inside = _local_labels(labels, weight, group)
         lse = torch.empty(len(labels), dtype=torch.float32, device=hidden.device)
         loss = torch.empty_like(lse)
         for rows in _chunks(len(labels), chunk):
-            lse[rows], loss[rows] = _lse_and_loss(_logits(hidden[rows], weight), local[rows], inside[rows], group)
+            lse[rows], loss[rows] = _lse_and_loss(_logits(whole[rows], weight), local[rows], inside[rows], group)
         ctx.save_for_backward(hidden, weight, local, inside, lse)
-        ctx.group, ctx.chunk = group, chunk
+        ctx.group, ctx.chunk, ctx.sequence_parallel = group, chunk, sequence_parallel
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        hidden, weight, local, inside, lse = ctx.saved_tensors
+        share, weight, local, inside, lse = ctx.saved_tensors
+        hidden = _whole_rows(share, ctx.group, ctx.sequence_parallel)
         grad_hidden = torch.empty_like(hidden)
         # fp32: each chunk's bf16 product is rounded once, their sum is not rounded again per chunk
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
@@ -98,23 +110,26 @@ class LinearCrossEntropy(torch.autograd.Function):
             grad = grad.to(hidden.dtype)  # the logits' dtype, as the output layer's backward receives it
             grad_hidden[rows] = grad @ weight
             grad_weight += grad.t() @ hidden[rows]  # an in-place add casts the bf16 product on the fly
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None
+        if ctx.sequence_parallel:  # [n, h] partial sums over the vocabulary slices -> this rank's [n/tp, h]
+            grad_hidden = reduce_scatter_to_sequence_parallel_region(grad_hidden, group=ctx.group)
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
 
 
 def chunked_lm_loss(model: GPTModel, hidden: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
     """What GPTModel's output layer and compute_language_model_loss return together: hidden
     [s(/tp with sequence parallel), b, h], labels [b, s] -> per-token loss [b, s] fp32."""
-    tp = model.pg_collection.tp
-    if model.output_layer.sequence_parallel:
-        hidden = gather_from_sequence_parallel_region(hidden, group=tp)  # [s/tp, b, h] -> [s, b, h]
-    else:
+    tp, sequence_parallel = model.pg_collection.tp, model.output_layer.sequence_parallel
+    if not sequence_parallel:  # (with it, LinearCrossEntropy gathers and reduce-scatters itself)
         hidden = copy_to_tensor_model_parallel_region(hidden, group=tp)  # backward: sum the ranks' partials
     weight = (model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights
               else model.output_layer.weight)
-    s, b, h = hidden.shape
-    # [b, s] -> [s, b] -> [s*b]: the order of hidden's rows
+    b, s = labels.shape
+    h = hidden.shape[-1]
+    # [b, s] -> [s, b] -> [s*b]: the order of the rows of hidden's whole [s, b, h], which rank r's
+    # share [s/tp, b, h] -> [s/tp*b, h] holds the r-th block of under sequence parallelism
     flat_labels = labels.transpose(0, 1).reshape(s * b)
-    loss = LinearCrossEntropy.apply(hidden.reshape(s * b, h), weight, flat_labels, tp, chunk)  # [s*b]
+    rows = hidden.reshape(-1, h)  # [s(/tp), b, h] -> [s(/tp)*b, h]
+    loss = LinearCrossEntropy.apply(rows, weight, flat_labels, tp, chunk, sequence_parallel)  # [s*b]
     return loss.view(s, b).transpose(0, 1).contiguous()  # [s, b] -> [b, s]
 
 

@@ -69,6 +69,33 @@ def test_vocabulary_parallel_ranks_give_the_whole_logits_loss_and_gradients(tp):
     run_ranks(_vocab_parallel, tp, tp, 8)
 
 
+def _sequence_parallel(tp, chunk):
+    """Each rank holds a block of the token rows (and a slice of the vocabulary): the loss of every
+    token, the gradient of its own rows (reduce-scattered), and only that block saved for backward."""
+    from tests.unit_tests.model_utils import sequence_parallel_on_host
+
+    sequence_parallel_on_host()  # megatron-core's gather buffers at host memory
+    group, rank, n = dist.new_group(list(range(tp))), dist.get_rank(), N - N % tp
+    hidden, weight, labels, grad_loss = (t[:n] if t.shape[0] == N else t for t in problem())
+    ref = whole(hidden, weight, labels, grad_loss)
+    share = hidden[rank * n // tp:(rank + 1) * n // tp].clone().requires_grad_()
+    part = weight[rank * V // tp:(rank + 1) * V // tp].clone().requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = LinearCrossEntropy.apply(share, part, labels, group, chunk, True)
+    loss.backward(grad_loss)
+    torch.testing.assert_close(loss, ref[0].float(), atol=5e-6, rtol=0)  # as without sequence parallel
+    torch.testing.assert_close(share.grad, ref[1][rank * n // tp:(rank + 1) * n // tp], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(part.grad, ref[2][rank * V // tp:(rank + 1) * V // tp], atol=1e-6, rtol=1e-6)
+    matrices = {t.data_ptr() for t in saved if t.dim() == 2}
+    assert matrices == {share.data_ptr(), part.data_ptr()}  # not the gathered [n, h]: tp times larger
+
+
+@pytest.mark.parametrize("tp, chunk", [(2, 5), (5, 64)])  # tp divides V, as the padded vocabulary
+def test_sequence_parallel_saves_only_this_ranks_rows(tp, chunk):
+    run_ranks(_sequence_parallel, tp, tp, chunk)
+
+
 def _model_step(extra, dtype_flag=""):
     args = tiny_args(f"{extra} {dtype_flag}")
     model = tiny_gpt(args, grid_groups())
