@@ -28,6 +28,10 @@ from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_paralle
                                                     reduce_scatter_to_sequence_parallel_region)
 
 
+def _gathered() -> None:
+    """A weight no overlapped all-gather fills (no distributed optimizer, or not overlapped)."""
+
+
 def _chunks(n: int, chunk: int) -> Iterator[slice]:
     return (slice(i, min(i + chunk, n)) for i in range(0, n, chunk))
 
@@ -123,6 +127,9 @@ def chunked_lm_loss(model: GPTModel, hidden: torch.Tensor, labels: torch.Tensor,
         hidden = copy_to_tensor_model_parallel_region(hidden, group=tp)  # backward: sum the ranks' partials
     weight = (model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights
               else model.output_layer.weight)
+    # --overlap-param-gather waits for a bucket in its module's forward, which this path bypasses:
+    # the weight could still be in flight (on NCCL, a stale or half-written read)
+    getattr(weight, "wait_gathered", _gathered)()
     b, s = labels.shape
     h = hidden.shape[-1]
     # [b, s] -> [s, b] -> [s*b]: the order of the rows of hidden's whole [s, b, h], which rank r's

@@ -33,6 +33,7 @@ import contextlib
 import hashlib
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Dict, List, Optional
 
 import torch
@@ -335,7 +336,11 @@ class GradBuffer:
 
     def wait_params_before_forward(self, modules) -> list:
         """--overlap-param-gather: each module's forward first waits for the buckets of the
-        parameters it owns directly. Returns the hook handles."""
+        parameters it owns directly. Returns the hook handles. A parameter read where its module's
+        forward does not run (the chunked loss reads the output layer's weight) carries
+        `wait_gathered`, which its reader calls first."""
+        for p, bucket in self.bucket_of.items():
+            p.wait_gathered = partial(self.wait_params, [bucket])
         hooks = []
         for module in modules:
             for sub in module.modules():

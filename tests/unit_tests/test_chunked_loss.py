@@ -96,6 +96,35 @@ def test_sequence_parallel_saves_only_this_ranks_rows(tp, chunk):
     run_ranks(_sequence_parallel, tp, tp, chunk)
 
 
+def _overlapped_gather():
+    """dp 2, the distributed optimizer's gathers in flight as after a step: the loss must wait for
+    the output weight's bucket itself (its module's forward, which holds the wait, never runs)."""
+    from megatron.longseq import chunked_loss
+    from megatron.training.distributed import GradBuffer
+
+    args = tiny_args("--untie-embeddings-and-output-weights --cross-entropy-chunk-tokens 16", world_size=2)
+    pgs = grid_groups()
+    model = tiny_gpt(args, pgs)
+    weight = model.output_layer.weight
+    buffer = GradBuffer(list(model.parameters()), pgs.dp_cp_intra, shard=True, overlap=True,
+                        bucket_elements=weight.numel())
+    buffer.wait_params_before_forward([model])
+    bucket = buffer.bucket_of[weight]
+    assert bucket.params == [weight]  # alone: no other module's forward waits for it
+    waited, real = [], chunked_loss.LinearCrossEntropy.forward
+    chunked_loss.LinearCrossEntropy.forward = staticmethod(
+        lambda ctx, *inputs: waited.append(bucket.gather is None) or real(ctx, *inputs))
+    buffer.all_gather_params(async_op=True)
+    assert bucket.gather is not None
+    tokens, labels, positions = tiny_batch(args)
+    model(tokens, positions, None, labels=labels)
+    assert waited == [True]
+
+
+def test_the_loss_waits_for_the_output_weights_overlapped_gather():
+    run_ranks(_overlapped_gather, 2)
+
+
 def _model_step(extra, dtype_flag=""):
     args = tiny_args(f"{extra} {dtype_flag}")
     model = tiny_gpt(args, grid_groups())
