@@ -37,6 +37,14 @@ UNSUPPORTED = {
     "--wgrad-deferral-limit": "weight-gradient deferral is not implemented",
     "--defer-embedding-wgrad-compute": "weight-gradient deferral is not implemented",
     "--no-rope-freq": "layers without RoPE (NoPE) are not implemented (every layer rotates)",
+    "--empty-unused-memory-level": "emptying the CUDA cache between steps is not implemented",
+    "--grad-reduce-in-bf16": "gradients are reduced in fp32 (the gradient buffer is fp32)",
+    "--main-grads-dtype": "main gradients are fp32",
+    "--use-precision-aware-optimizer": "the optimizer keeps fp32 main parameters and fp32 moments",
+    "--ddp-num-buckets": "buckets are sized by --ddp-bucket-size",
+    "--check-for-large-grads": "only NaN / Inf gradients are checked (--check-for-nan-in-loss-and-grad)",
+    "--lr-wsd-decay-style": "the WSD learning-rate schedule is not implemented",
+    "--optimizer-cpu-offload": "optimizer CPU offload is not implemented (MEMO offloads activations: --memo)",
 }
 
 # Settings read only under their switch: given without it, they would change nothing.
@@ -81,7 +89,8 @@ NO_OP = {
     "--no-rope-fusion": "RoPE is ours (core attention, from position ids), never megatron-core's fused one",
     "--no-persist-layer-norm": "the norms are ours, not apex's persistent LayerNorm",
     "--no-async-tensor-model-parallel-allreduce": "megatron-core 0.16 has no such switch",
-    "--accumulate-allreduce-grads-in-fp32": "always on with --bf16",
+    "--accumulate-allreduce-grads-in-fp32": "always on: gradients are accumulated and reduced in fp32 "
+                                            "under --bf16 and --fp16",
     "--use-cpu-initialization": "always on: identical weights for every tp size",
     "--attention-softmax-in-fp32": "always: every kernel keeps the softmax in fp32",
     "--disable-gloo-process-groups": "no gloo groups are made beside the NCCL ones (on CPU gloo is the backend "
@@ -250,6 +259,12 @@ def _training(p):
     g.add_argument("--lr-decay-samples", type=int, help="with --train-samples: decay over this many samples")
     g.add_argument("--lr-warmup-samples", type=int, default=0, help="with --train-samples: warm up over this many samples")
     g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--start-weight-decay", type=float, default=None,
+                   help="with --weight-decay-incr-style linear|cosine: the weight decay at the start")
+    g.add_argument("--end-weight-decay", type=float, default=None,
+                   help="with --weight-decay-incr-style linear|cosine: the weight decay at the end of training")
+    g.add_argument("--weight-decay-incr-style", choices=["constant", "linear", "cosine"], default="constant",
+                   help="how the weight decay moves from its start to its end value over training")
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)

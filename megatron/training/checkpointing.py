@@ -386,16 +386,22 @@ def schedule_of(args) -> dict:
     (steps count samples: validate.py derives them from iterations or samples)."""
     return {"max_lr": args.lr, "min_lr": args.min_lr, "lr_warmup_steps": args.lr_warmup_steps,
             "lr_decay_steps": args.lr_decay_steps, "lr_decay_style": args.lr_decay_style,
-            "start_wd": args.weight_decay, "end_wd": args.weight_decay,
-            "wd_incr_steps": args.train_iters * args.global_batch_size, "wd_incr_style": "constant"}
+            "start_wd": _or(args.start_weight_decay, args.weight_decay),
+            "end_wd": _or(args.end_weight_decay, args.weight_decay),
+            "wd_incr_steps": args.train_iters * args.global_batch_size, "wd_incr_style": args.weight_decay_incr_style}
+
+
+def _or(value, default):
+    return default if value is None else value
 
 
 # What each setting is called on the command line (a longer --train-iters moves both step counts)
 SCHEDULE_NAMES = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "LR warm-up samples",
                   "lr_decay_steps": "LR decay samples", "lr_decay_style": "--lr-decay-style",
-                  "start_wd": "--weight-decay", "end_wd": "final weight decay",
+                  "start_wd": "--start-weight-decay (or --weight-decay)",
+                  "end_wd": "--end-weight-decay (or --weight-decay)",
                   "wd_incr_steps": "weight-decay samples (--train-iters x --global-batch-size)",
-                  "wd_incr_style": "weight-decay increment style"}
+                  "wd_incr_style": "--weight-decay-incr-style"}
 
 
 def check_schedule(saved: Optional[dict], args) -> None:

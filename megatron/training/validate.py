@@ -62,7 +62,8 @@ def _required(args):
 RANGES = (
     (("num_query_groups", "kv_channels", "ffn_hidden_size", "rotary_base", "adam_eps", "make_vocab_size_divisible_by",
       "distributed_timeout_minutes", "tensorboard_log_interval"), lambda x: x > 0, "must be positive"),
-    (("init_method_std", "weight_decay", "seed"), lambda x: x >= 0, "must be >= 0"),
+    (("init_method_std", "weight_decay", "start_weight_decay", "end_weight_decay", "seed"), lambda x: x >= 0,
+     "must be >= 0"),
     (("adam_beta1", "adam_beta2"), lambda x: 0 <= x < 1, "must be in [0, 1)"),
     (("rotary_percent",), lambda x: 0 < x <= 1, "must be in (0, 1]"),
 )
@@ -363,6 +364,12 @@ def _schedule_args(args):
     if args.lr_warmup_fraction is not None:
         warmup = args.lr_warmup_fraction * decay
     require(warmup < decay, f"warm-up ({warmup:g} samples) must be shorter than the decay ({decay} samples)")
+    moving = args.weight_decay_incr_style != "constant"  # Megatron's rule: both ends given, or neither
+    require((args.start_weight_decay is not None, args.end_weight_decay is not None) == (moving, moving),
+            "--start-weight-decay and --end-weight-decay go together, and only with --weight-decay-incr-style "
+            "linear|cosine")
+    require(not moving or (args.end_weight_decay or 0) >= (args.start_weight_decay or 0),
+            "--end-weight-decay must be >= --start-weight-decay (megatron-core's scheduler only increases it)")
     args.lr_decay_steps, args.lr_warmup_steps = decay, warmup
     require(not (args.use_checkpoint_opt_param_scheduler and args.override_opt_param_scheduler),
             "--use-checkpoint-opt_param-scheduler and --override-opt_param-scheduler are mutually exclusive")

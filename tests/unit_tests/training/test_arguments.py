@@ -163,6 +163,10 @@ def test_padded_vocab_matches_megatron():
     ("--kv-channels 0 --ffn-hidden-size -1", 1,
      "--kv-channels must be positive, got 0; --ffn-hidden-size must be positive, got -1"),  # all at once
     ("--position-embedding-type rope --rotary-percent 2", 1, "--rotary-percent must be in (0, 1], got 2.0"),
+    ("--start-weight-decay 0.1", 1, "--start-weight-decay and --end-weight-decay go together, and only with"),
+    ("--weight-decay-incr-style linear --start-weight-decay 0.1", 1, "--end-weight-decay go together"),
+    ("--weight-decay-incr-style cosine --start-weight-decay 0.1 --end-weight-decay 0.05", 1,
+     "--end-weight-decay must be >= --start-weight-decay"),
     ("--qk-layernorm --normalization RMSNorm --test-mode", 1,
      "--test-mode compares the q/k norms' biases (megatron-core), which --normalization RMSNorm lacks"),
     # a scaling's settings without its switch would leave plain RoPE in force, silently

@@ -239,3 +239,21 @@ def test_help_explains_every_flag_and_shows_its_default():
     text = " ".join(parser.format_help().split())
     assert "--num-layers NUM_LAYERS transformer layers (default: None)" in text
     assert "--ckpt-format {torch,torch_dist}" in text and "(default: torch_dist)" in text
+
+
+@pytest.mark.parametrize("style, halfway", [("linear", 0.05), ("cosine", 0.05), ("constant", 0.01)])
+def test_weight_decay_moves_from_its_start_to_its_end_over_training(style, halfway):
+    """Megatron's --weight-decay-incr-style with --start/--end-weight-decay: megatron-core's scheduler
+    sets each group's weight decay (times its wd_mult: norms and biases stay at 0) every step."""
+    from megatron.training.training import setup
+    from tests.unit_tests.dist_utils import grid_groups, init_single_rank_world
+    from tests.unit_tests.model_utils import tiny_args, tiny_gpt
+
+    init_single_rank_world()
+    ends = "" if style == "constant" else "--start-weight-decay 0 --end-weight-decay 0.1"
+    args = tiny_args(f"--weight-decay-incr-style {style} {ends}")  # 10 iterations, --weight-decay 0.01
+
+    state = setup(args, grid_groups(), lambda a, p, d: tiny_gpt(a, p))
+    state.scheduler.step(args.global_batch_size * 5)  # half way: linear and cosine both give the mean
+    decays = sorted(g["weight_decay"] for g in state.optimizer.param_groups)
+    assert decays == pytest.approx([0.0, halfway])
