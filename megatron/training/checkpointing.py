@@ -74,7 +74,7 @@ def rank_dir_name(pgs) -> str:
     return f"mp_rank_{tp:02d}" if pgs.size("pp") == 1 else f"mp_rank_{tp:02d}_{pp:03d}"
 
 
-def _fsync(path: str) -> None:
+def fsync_path(path: str) -> None:
     """A file's or a directory's contents to disk (Linux syncs through a read-only descriptor)."""
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -99,7 +99,7 @@ def atomic_write_text(path: str, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync(os.path.dirname(path) or ".")
+    fsync_path(os.path.dirname(path) or ".")
 
 
 def model_keys(chunks) -> list:
@@ -172,18 +172,23 @@ def publish(root: str, tmp: str, final: str, iteration: int) -> None:
     on_rank_0(lambda: publish_tree(root, tmp, final, str(iteration)))
 
 
+def sync_tree(top: str) -> None:
+    """Every file and directory under `top` on disk, before a rename makes the tree visible."""
+    for path, _, files in os.walk(top):
+        for name in files:
+            fsync_path(os.path.join(path, name))
+        fsync_path(path)
+
+
 def publish_tree(root: str, tmp: str, final: str, tracker: str) -> None:
     """Sync the finished tree `tmp`, rename it to `final` and only then write the tracker. Every
     file is synced here, whoever wrote it: megatron-core leaves torch_dist's common.pt and
     metadata.json unsynced, and a crash of the machine after the rename could leave them empty."""
-    for path, _, files in os.walk(tmp):
-        for name in files:
-            _fsync(os.path.join(path, name))
-        _fsync(path)
+    sync_tree(tmp)
     if os.path.exists(final):  # saving the same iteration again: replace it
         shutil.rmtree(final)
     os.rename(tmp, final)
-    _fsync(root)
+    fsync_path(root)
     atomic_write_text(os.path.join(root, TRACKER), tracker)
 
 

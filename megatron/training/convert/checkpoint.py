@@ -19,7 +19,8 @@ import torch
 
 from megatron.training.checkpointing import (
     CHECKPOINT_VERSION, FORMAT_FILE, HF_CONFIG, LAYERS, RELEASE, TOKENIZER_DIR, atomic_torch_save, atomic_write_text,
-    fused_norm_names, latest_checkpoint, local_layer_names, module_name, publish_tree, recorded)
+    fused_norm_names, latest_checkpoint, local_layer_names, module_name, publish_tree, recorded,
+    fsync_path, sync_tree)
 from megatron.training.convert.hf import TOKENIZER_FILES, ConvertError
 from megatron.training.convert.layout import unshard
 
@@ -57,6 +58,19 @@ def write_hf_side(root: str, config_dict: dict, tokenizer_from: Optional[str]) -
     if copy_tokenizer(tokenizer_from, tmp):
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
+
+
+def replace_dir(tmp: str, final: str) -> None:
+    """The finished tree `tmp` becomes `final`; an older `final` is moved aside first and removed
+    last, so a crash leaves a whole directory (the old one as <final>.old at worst), never a mix."""
+    sync_tree(tmp)
+    old = final.rstrip("/") + ".old"
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(final):
+        os.rename(final, old)
+    os.rename(tmp, final)
+    fsync_path(os.path.dirname(os.path.abspath(final)))
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def copy_tokenizer(src: Optional[str], dst: str) -> bool:

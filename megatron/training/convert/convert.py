@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 from typing import Dict, List, Optional, Tuple
 
@@ -65,6 +66,19 @@ def _check_targets(args) -> None:
         # the saver would overwrite what the loader still reads (side files, tokenizer)
         raise ConvertError(f"--save-dir is --load-dir ({args.load_dir}): write the conversion to another directory")
     args.max_shard_bytes = shard_size_bytes(args.max_shard_size)
+    if args.saver == "hf":
+        _check_hf_target(args.save_dir)
+
+
+def _check_hf_target(path: str) -> None:
+    """The export replaces --save-dir whole: only an earlier model directory (or none) may be there."""
+    if os.path.exists(path) and not (os.path.isdir(path) and _is_hf_dir(path)):
+        raise ConvertError(f"--save-dir {path} exists and is not a Hugging Face model directory: "
+                           "the export replaces it whole, so name a new directory")
+
+
+def _is_hf_dir(path: str) -> bool:
+    return not os.listdir(path) or os.path.isfile(os.path.join(path, "config.json"))
 
 
 def _check_split(m: Model, tp: int, pp: int) -> None:
@@ -139,8 +153,12 @@ def _dtype(whole: dict) -> torch.dtype:
 
 def save_hf(args, m: Model, whole: dict, base: Optional[dict], tokenizer: str) -> None:
     state = to_hf(whole, m.shape(whole["embedding.word_embeddings.weight"].shape[0]))
-    write_hf_dir(args.save_dir, hf_config(m, _dtype(whole), base), state, args.max_shard_bytes)
-    ckpt.copy_tokenizer(tokenizer, args.save_dir)
+    # written aside and swapped in whole: a crash or a smaller re-export leaves no stale shards
+    tmp = args.save_dir.rstrip("/") + ".part"
+    shutil.rmtree(tmp, ignore_errors=True)
+    write_hf_dir(tmp, hf_config(m, _dtype(whole), base), state, args.max_shard_bytes)
+    ckpt.copy_tokenizer(tokenizer, tmp)
+    ckpt.replace_dir(tmp, args.save_dir)
     print(f"saved a {m.family} model in safetensors under {args.save_dir}")
 
 

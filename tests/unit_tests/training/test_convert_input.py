@@ -159,6 +159,42 @@ def test_a_conversion_into_its_own_source_is_refused(tmp_path):
     assert_bitwise(before, _files(ours))
 
 
+
+def test_an_export_replaces_its_directory_whole(tmp_path, monkeypatch):
+    """A re-export with bigger shards leaves no stale shard of the first; a crash while writing
+    leaves the earlier export as it was; a directory that is no model is refused, untouched."""
+    ours = to_ours(save_hf(tmp_path / "hf", "llama", "default"), tmp_path / "ours")
+    out = tmp_path / "out"
+    export = ["--loader", "megatron", "--saver", "hf", "--load-dir", ours, "--save-dir", out]
+    assert run_convert(*export, "--max-shard-size", "100KB")[0] == 0
+    assert len([n for n in os.listdir(out) if n.endswith(".safetensors")]) > 1
+    assert run_convert(*export)[0] == 0
+    names = sorted(os.listdir(out))
+    assert [n for n in names if n.endswith(".safetensors")] == ["model.safetensors"], names
+    assert "model.safetensors.index.json" not in names
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.num_hidden_layers == 2
+    before = _files(out)
+
+    def half_written(state, path, **kw):  # a shard cut short, then the process dies
+        with open(os.path.join(path, "model.safetensors"), "wb") as f:
+            f.write(b"half")
+        raise ZeroDivisionError
+
+    import huggingface_hub
+    monkeypatch.setattr(huggingface_hub, "save_torch_state_dict", half_written)
+    with pytest.raises(ZeroDivisionError):
+        run_convert(*export)
+    assert_bitwise(before, _files(out))
+    assert sorted(os.listdir(out)) == names
+
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "keep.txt").write_text("mine")
+    stderr = _refused(*export[:-1], other)
+    assert "exists and is not a Hugging Face model directory" in stderr
+    assert os.listdir(other) == ["keep.txt"]
+
 # ---- Megatron-LM's names ---------------------------------------------------------------------------
 def test_a_checkpoint_with_transformer_engine_names_exports(tmp_path):
     """Megatron-LM on GPU builds Transformer Engine layers: the norms live in the fused linear

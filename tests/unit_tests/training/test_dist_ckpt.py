@@ -102,8 +102,8 @@ def test_every_file_is_on_disk_before_the_checkpoint_is_published(tmp_path, monk
     before the rename, and the rename before the tracker is written."""
     from megatron.training import checkpointing
 
-    events, sync, rename = [], checkpointing._fsync, os.rename
-    monkeypatch.setattr(checkpointing, "_fsync", lambda path: (events.append(("sync", path)), sync(path)))
+    events, sync, rename = [], checkpointing.fsync_path, os.rename
+    monkeypatch.setattr(checkpointing, "fsync_path", lambda path: (events.append(("sync", path)), sync(path)))
     monkeypatch.setattr(os, "rename", lambda a, b: (events.append(("rename", a)), rename(a, b)))
     args, pgs, state = saver_state(tmp_path, "--verify-integrity")
     path = state.saver.save(state)
