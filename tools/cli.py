@@ -46,6 +46,23 @@ def output_path(text: str) -> str:
     return text
 
 
+def output_file(text: str) -> str:
+    """output_path, for a file: an existing directory there is refused before the work."""
+    if os.path.isdir(output_path(text)):
+        raise argparse.ArgumentTypeError(f"{text} is a directory: name a file")
+    return text
+
+
+IMAGE_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
+
+
+def image_path(text: str) -> str:
+    """output_file, named with a suffix matplotlib writes a drawing by."""
+    if os.path.splitext(output_file(text))[1].lower() not in IMAGE_SUFFIXES:
+        raise argparse.ArgumentTypeError(f"{text}: name a drawing by its kind, one of {', '.join(IMAGE_SUFFIXES)}")
+    return text
+
+
 def make_directory(path) -> str:
     """Make the directory `path` (with its parents) to write in: why it cannot be, or "" (said
     before the work, not after it)."""

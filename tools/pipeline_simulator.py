@@ -157,7 +157,7 @@ def arguments(argv):
     ap.add_argument("--documents", type=cli.positive_float, metavar="MEAN",
                     help="packed samples of log-normal documents of this mean length: static vs per-micro-batch "
                          "uniform_comp segments (Seq1F1B, no interleaving)")
-    ap.add_argument("--png", type=cli.output_path, help="write the timeline here")
+    ap.add_argument("--png", type=cli.image_path, help="write the timeline here")
     ap.add_argument("--paper-table", action="store_true", help="print the Table 1 bubble ratios and stop")
     ap.add_argument("--from-run", help="directory of a recorded timeline")
     args = ap.parse_args(argv)

@@ -65,18 +65,20 @@ def profile_state(state, args, pgs, device) -> Trace:
     """The trace of one micro-batch of the set-up run `state`, on `device` (model, batch, MEMO)."""
     from megatron.longseq.memo.profiler import trace_iteration
     from megatron.training.data import random_batches, to_device
-    from megatron.training.memo_setup import wrap_model
+    from megatron.training.memo_setup import choose_alpha, wrap_model
     from megatron.training.model import unwrap
+    from megatron.training.validate_memo import planned_for
 
     model = unwrap(state.model)[0]
     layers = list(model.decoder.layers)
-    if args.memo:  # as the trainer: the last two layers keep their activations and get no window
-        alpha = 0.5 if args.memo_swap_fraction == "auto" else float(args.memo_swap_fraction)
-        memo, layers = wrap_model(state, alpha, device)
     batch = to_device(next(random_batches(args, pgs, seed=12345)), device)
-    if args.memo:  # a measured iteration sizes the rounding buffers and the host pool
-        memo.calibrate(lambda: _loss(model, batch).backward())
-    return trace_iteration(lambda: _loss(model, batch).backward(), layers, device)
+    iteration = lambda: _loss(model, batch).backward()  # noqa: E731
+    if args.memo:  # as the trainer: the last two layers keep their activations and get no window;
+        memo, layers = wrap_model(state, 1.0, device)  # a measured iteration gives alpha and the buffers
+        choose_alpha(args, memo, iteration, layers, device)
+    trace = trace_iteration(iteration, layers, device)
+    trace.planned_for = planned_for(args, memo.alpha) if args.memo else None
+    return trace
 
 
 def _loss(model, batch):
@@ -93,16 +95,18 @@ def arguments(argv):
     cut = argv.index("--") if "--" in argv else len(argv)
     ap = cli.parser(__doc__, usage="%(prog)s [options] (--trace PATH | -- PRETRAIN_GPT_MODEL_FLAGS ...)")
     ap.add_argument("--trace", help="plan this saved trace instead of profiling the model flags after --")
-    ap.add_argument("--save-trace", type=cli.output_path, help="write the profiled trace here")
+    ap.add_argument("--save-trace", type=cli.output_file, help="write the profiled trace here")
     ap.add_argument("--planner", choices=["gurobi", "cpsat", "greedy"], default="gurobi", help="the solver")
     ap.add_argument("--time-limit", type=cli.positive_float, default=30.0, help="seconds per solver call")
-    ap.add_argument("--out", type=cli.output_path, help="plan JSON (what pretrain_gpt.py --memo-plan reads)")
-    ap.add_argument("--png", type=cli.output_path, help="drawing of the plan")
+    ap.add_argument("--out", type=cli.output_file, help="plan JSON (what pretrain_gpt.py --memo-plan reads)")
+    ap.add_argument("--png", type=cli.image_path, help="drawing of the plan")
     args = ap.parse_args(argv[:cut])
     model_flags = argv[cut + 1:]
     if bool(args.trace) == bool(model_flags):
         ap.error("give --trace PATH or pretrain_gpt.py model flags after --" +
                  (", not both" if model_flags else ""))
+    if args.trace and args.save_trace:
+        ap.error("--save-trace writes a profiled trace: --trace reads one, there is none to write")
     return ap, args, model_flags
 
 
@@ -130,7 +134,9 @@ def main(argv=None):
         ap.error(f"model flags: {err}" if isinstance(err, ArgsError) else str(err))
     plan = bilevel_plan(trace, args.planner, args.time_limit)
     s = plan.summary()
-    print(f"{len(trace.events)} events, {len(trace.windows())} layer windows")
+    made_for = trace.planned_for or {}
+    print(f"{len(trace.events)} events, {len(trace.windows())} layer windows, swap fraction "
+          f"{made_for.get('memo_swap_fraction')}")
     for label, level1 in s["level1"].items():
         if level1["reuses"]:
             print(f"level 1 {label}: same requests as {level1['reuses']}, its plan reused")
@@ -142,7 +148,7 @@ def main(argv=None):
           f"{l2['seconds']} s {'; '.join(l2['notes'])}")
     print(f"plan: peak {plan.peak} B, lower bound {plan.lower_bound} B (+{100 * s['gap']:.2f}%)")
     if args.out:
-        plan.save(args.out)
+        plan.save(args.out, trace.planned_for)
     if args.png:
         draw(trace, plan, args.png)
 

@@ -20,6 +20,7 @@ from megatron.longseq.pipeline.seq1f1b import forward_backward_seq1f1b
 from megatron.training.data import random_batches
 from megatron.training.metrics import print_rank_0
 from megatron.training.model import unwrap
+from megatron.training.validate_memo import planned_for
 
 
 def _agree(value: float, op, group) -> float:
@@ -78,52 +79,74 @@ def setup_memo(args, pgs, state, forward_step_func, device) -> Memo:
                                  num_microbatches=args.num_microbatches, micro_batch_size=args.micro_batch_size,
                                  p2p_communicator=state.pipeline)
 
-    # Every rank runs the profile and trace iterations, also a stage that manages no layer (the
-    # last stage keeps its last two layers on the device): the iterations pass activations along.
-    profile, sizes = profile_sizes(memo, one_iteration, layers, device)
-    budget = args.memo_host_memory_gb * 2**30
-    forced = None if args.memo_swap_fraction == "auto" else float(args.memo_swap_fraction)
-    # refused on every rank before any host memory is taken
-    _refuse_together(lambda: profile and check_fixed(profile, memo.peak_live, budget))
-    choice = _refuse_together(lambda: profile and solve_alpha(
-        profile, bandwidth(device, limit=budget), memo.peak_live, budget, forced))
-    # tp ranks must recompute the same token rows; stages agree too, so the log tells one alpha
-    memo.alpha = _agree(choice.alpha if choice else 1.0, dist.ReduceOp.MIN, None)
-    if profile is not None:  # the block holds the agreed alpha's bytes: no more than the choice's
-        memo.allocate(max(s.buffer_bytes for s in sizes), memo.peak_live, block_bytes(profile, memo.alpha))
+    path, saved = _reused_plan(args, pgs, layers)
+    fixed = saved["planned_for"]["memo_swap_fraction"] if saved else None  # the alpha it was made for
+    profile, choice, budget = choose_alpha(args, memo, one_iteration, layers, device, fixed)
     planned = allocator.INSTALLED
     memo.allocator = planned
     if planned is not None:  # from now on every managed layer's forward and backward is a window
         memo.window_handles = mark_layer_windows(layers, planned)
-    stage, stages = pgs.index("pp"), pgs.size("pp")
-    if args.memo_plan:
-        path = stage_plan_path(args.memo_plan, stage, stages)
-        summary = _refuse_together(lambda: _saved_plan(path, layers), ValueError,
-                                   "--memo-plan: another pipeline stage's plan is not its own")
-        print_rank_0(f"MEMO memory plan: reused {path} (peak {summary['peak_bytes'] / 2**20:.2f} MiB)")
+    if saved:
+        print_rank_0(f"MEMO memory plan: reused {path} (peak {saved['peak_bytes'] / 2**20:.2f} MiB)")
         if planned is not None:
-            planned.load(saved_replay(summary))
+            planned.load(saved_replay(saved))
     elif planned is None and not args.memo_save_plan:
         # the caching allocator places tensors itself: a plan would cost an iteration under trace
         # and the solver's time (up to a minute) for a log line
         print_rank_0("MEMO memory plan: none made (--memo-allocator planned follows one, --memo-save-plan "
                      "writes one, tools/plan_memory.py draws one)")
     else:
-        trace = _trace(one_iteration, layers, device, planned)
-        plan = bilevel_plan(trace, args.memo_planner, time_limit=30.0)
-        if args.memo_save_plan and pgs.index("tp") == pgs.index("dp_cp") == 0:  # one writer per stage
-            plan.save(stage_plan_path(args.memo_save_plan, stage, stages))
-        print_rank_0(_plan_line(plan.summary()))
-        if planned is not None:
-            size = planned.load(plan.replay)
-            print_rank_0(f"MEMO planned allocator: arena {size / 2**20:.2f} MiB, {len(plan.replay.sizes)} requests "
-                         f"and {len(plan.replay.marks)} window marks an iteration")
+        _plan_memory(args, pgs, memo, planned, _trace(one_iteration, layers, device, planned))
     if planned is not None:
         planned.settle()
     state.optimizer.zero_grad()
     memo.reset_stats()
     _report(memo, choice, profile, budget)
     return memo
+
+
+def _reused_plan(args, pgs, layers) -> tuple:
+    """(path, summary) of this stage's --memo-plan, or (None, None) without one."""
+    if not args.memo_plan:
+        return None, None
+    path = stage_plan_path(args.memo_plan, pgs.index("pp"), pgs.size("pp"))
+    return path, _refuse_together(lambda: _saved_plan(path, layers), ValueError,
+                                  "--memo-plan: another pipeline stage's plan is not its own")
+
+
+def _plan_memory(args, pgs, memo, planned, trace) -> None:
+    """Plan `trace` (one iteration's); save the plan (--memo-save-plan), have the planned
+    allocator follow it."""
+    plan = bilevel_plan(trace, args.memo_planner, time_limit=30.0)
+    if args.memo_save_plan and pgs.index("tp") == pgs.index("dp_cp") == 0:  # one writer per stage
+        path = stage_plan_path(args.memo_save_plan, pgs.index("pp"), pgs.size("pp"))
+        plan.save(path, planned_for(args, memo.alpha))
+    print_rank_0(_plan_line(plan.summary()))
+    if planned is not None:
+        size = planned.load(plan.replay)
+        print_rank_0(f"MEMO planned allocator: arena {size / 2**20:.2f} MiB, {len(plan.replay.sizes)} requests "
+                     f"and {len(plan.replay.marks)} window marks an iteration")
+
+
+def choose_alpha(args, memo, run, layers, device, fixed=None):
+    """Profile an iteration (`run`), then the swap fraction: `fixed`, else --memo-swap-fraction's,
+    else the LP's (section 4.1); agreed across ranks, with the rounding buffers and host pool
+    allocated for it. Returns (profile, the LP's choice, the host budget in bytes)."""
+    # Every rank runs the profile iteration, also a stage that manages no layer (the last stage
+    # keeps its last two layers on the device): the iteration passes activations along.
+    profile, sizes = profile_sizes(memo, run, layers, device)
+    budget = args.memo_host_memory_gb * 2**30
+    if fixed is None and args.memo_swap_fraction != "auto":
+        fixed = float(args.memo_swap_fraction)
+    # refused on every rank before any host memory is taken
+    _refuse_together(lambda: profile and check_fixed(profile, memo.peak_live, budget))
+    choice = _refuse_together(lambda: profile and solve_alpha(
+        profile, bandwidth(device, limit=budget), memo.peak_live, budget, fixed))
+    # tp ranks must recompute the same token rows; stages agree too, so the log tells one alpha
+    memo.alpha = _agree(choice.alpha if choice else 1.0, dist.ReduceOp.MIN, None)
+    if profile is not None:  # the block holds the agreed alpha's bytes: no more than the choice's
+        memo.allocate(max(s.buffer_bytes for s in sizes), memo.peak_live, block_bytes(profile, memo.alpha))
+    return profile, choice, budget
 
 
 def _trace(one_iteration, layers, device, planned):

@@ -16,6 +16,7 @@ from megatron.longseq.parallel_state import GridError, RankGrid
 from megatron.longseq.pipeline import partition, plan
 from megatron.training.arguments import ArgsError
 from megatron.training.problems import collecting, flag, guard, require
+from megatron.training.validate_memo import memo_args
 
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "lr")
 
@@ -34,7 +35,7 @@ def validate_args(args: argparse.Namespace, world_size: int, errors: Sequence[st
     errors = list(errors)
     with collecting(errors):
         for check in (_required, _ranges, _model_args, partial(_parallel_args, world_size=world_size), _batch_args,
-                      _precision_args, _overlap_args, _pipeline_args, _schedule_args, _recompute_args, _memo_args,
+                      _precision_args, _overlap_args, _pipeline_args, _schedule_args, _recompute_args, memo_args,
                       _data_args, _rerun_args, _checkpoint_args, partial(_profile_args, world_size=world_size)):
             _run_check(check, args, errors)
     if errors:
@@ -408,65 +409,6 @@ def _recompute_args(args):
                 f"--recompute-num-layers must be in [1, --num-layers {args.num_layers}], got {n}")
     else:
         require(method is None, "--recompute-method needs --recompute-granularity full")
-
-
-def _memo_args(args):
-    require(args.memo or args.memo_allocator == "caching", "--memo-allocator planned needs --memo")
-    if not args.memo:
-        return
-    if args.memo_allocator == "planned":
-        _planned_allocator_args(args)
-    if args.memo_swap_fraction != "auto":
-        alpha = _number(args.memo_swap_fraction)
-        if require(alpha is not None,
-                   f"--memo-swap-fraction must be 'auto' or a number, got {args.memo_swap_fraction!r}"):
-            require(0.0 <= alpha <= 1.0, f"--memo-swap-fraction must be in [0, 1], got {alpha}")
-    require(args.recompute_granularity is None,
-            "--memo replaces activation recompute: drop --recompute-granularity")
-    require(args.hidden_dropout == 0.0,
-            "--memo needs --hidden-dropout 0: recomputing a subset of tokens cannot redraw the full dropout mask")
-    require(not args.sequence_parallel, "--memo does not support --sequence-parallel yet")
-    # Transformer Engine's layers save [s*b, h] views: no saved tensor has the tokens first, so
-    # MEMO would keep them all on the device (exact, but nothing saved)
-    require(args.transformer_impl == "local", "--memo manages the local layers' saved tensors: use "
-                                              "--transformer-impl local")
-    require(args.memo_host_memory_gb > 0, "--memo-host-memory-gb must be positive")
-    if args.memo_plan:
-        _saved_plans(args.memo_plan, args.pipeline_model_parallel_size)
-    require(args.num_layers // (args.pipeline_model_parallel_size * args.virtual_pipeline_chunks) >= 1,
-            "--memo needs layers to manage")
-
-
-def _planned_allocator_args(args):
-    from megatron.longseq.memo.allocator import build_problem
-
-    require(args.device_type == "cuda", "--memo-allocator planned needs a CUDA device: it replaces torch's CUDA "
-                                        "caching allocator (on CPU, plan offline with tools/plan_memory.py)")
-    require(not args.record_memory_history, "--record-memory-history records torch's caching allocator, which "
-                                             "--memo-allocator planned replaces (a pluggable allocator keeps no history)")
-    problem = build_problem()
-    require(problem is None, f"--memo-allocator planned: {problem}")
-
-
-def _number(text: str) -> float | None:
-    try:
-        return float(text)
-    except ValueError:
-        return None
-
-
-def _saved_plans(path: str, stages: int) -> None:
-    """Every pipeline stage's saved plan (one file per stage when pipelined) is there and readable."""
-    from megatron.longseq.memo.planner import load_plan_summary, stage_plan_path
-
-    for stage in range(stages):
-        one = stage_plan_path(path, stage, stages)
-        if not require(os.path.isfile(one), f"--memo-plan: cannot read {one}"):
-            continue
-        try:
-            load_plan_summary(one)
-        except (ValueError, KeyError, OSError) as err:  # json's decode error is a ValueError
-            require(False, f"--memo-plan: {err}")
 
 
 def _rerun_args(args):

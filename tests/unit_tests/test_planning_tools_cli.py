@@ -78,6 +78,16 @@ BAD = [  # (tool, argv, the error line's text after "error: "); "{tmp}" is a tem
      "argument --time-limit: must be positive, got -1"),
     (plan_memory, ["--trace", "{tmp}/bad.json", "--out", "/nonexistent/p.json"],
      "argument --out: no directory /nonexistent to write /nonexistent/p.json in"),
+    (plan_memory, ["--trace", "{tmp}/bad.json", "--out", "{tmp}"], "argument --out: {tmp} is a directory: name a file"),
+    (plan_memory, ["--trace", "{tmp}/bad.json", "--png", "{tmp}/plan.txt"],
+     "argument --png: {tmp}/plan.txt: name a drawing by its kind, one of .png, .pdf, .svg, .jpg, .jpeg"),
+    (plan_memory, ["--trace", "{tmp}/bad.json", "--save-trace", "{tmp}/t.json"],
+     "--save-trace writes a profiled trace: --trace reads one, there is none to write"),
+    (plan_memory, ["--trace", "{tmp}/dup.json"], "--trace {tmp}/dup.json is not a memo trace file (ValueError: "
+                                                 "event 1 ['malloc', 'a', 512] allocates 'a', which is still alive)"),
+    (plan_memory, ["--trace", "{tmp}/sizes.json"],
+     "--trace {tmp}/sizes.json is not a memo trace file (ValueError: "
+     "event 0 ['malloc', 'a', 1.5] is not [malloc|free|mark, id, bytes >= 0])"),
     (plan_memory, [], "give --trace PATH or pretrain_gpt.py model flags after --"),
     (plan_memory, ["--trace", "{tmp}/bad.json", "--", "--num-layers", "2"],
      "give --trace PATH or pretrain_gpt.py model flags after --, not both"),
@@ -123,6 +133,8 @@ def files(tmp_path):
     (tmp_path / "bad.json").write_text("{bad")
     (tmp_path / "other.json").write_text('{"format": "something else"}')
     (tmp_path / "afile").write_text("")
+    for name, events in (("dup", [["malloc", "a", 512], ["malloc", "a", 512]]), ("sizes", [["malloc", "a", 1.5]])):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"format": "memo-trace-1", "events": events}))
     return tmp_path
 
 

@@ -113,6 +113,10 @@ def solve_alpha(p: LayerProfile, bandwidth: float, live: int, host_budget: float
                 forced: Optional[float] = None) -> AlphaPlan:
     """The LP's optimum (or a forced alpha), checked against the host budget; `live` is the most
     managed layers that hold host memory at once."""
+    if not (math.isfinite(bandwidth) and bandwidth > 0 and math.isfinite(p.forward_seconds) and p.forward_seconds >= 0):
+        # measurements: a broken timer or copy would otherwise give alpha 1 or divide by zero
+        raise ValueError(f"MEMO: a measured host bandwidth of {bandwidth} B/s and layer time of "
+                         f"{p.forward_seconds} s cannot size alpha")
     check_fixed(p, live, host_budget)
     fixed = p.input_bytes + p.attention_bytes
     if forced is not None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 SOLVERS = ("gurobi", "cpsat", "greedy")
 ALIGN = 512
@@ -62,11 +62,15 @@ def lower_bound(blocks: Sequence[Block]) -> int:
     return best
 
 
+class PlanError(AssertionError):
+    """A placement that breaks the plan's contract: overlapping live tensors, or past the peak."""
+
+
 def check_plan(blocks: Sequence[Block], offsets: Dict[str, int], peak: int) -> None:
-    """Raise if two tensors alive together overlap in memory, or one exceeds the peak."""
+    """Raise PlanError if two tensors alive together overlap in memory, or one exceeds the peak."""
     for b in blocks:
         if offsets[b.id] < 0 or offsets[b.id] + b.size > peak:
-            raise AssertionError(f"{b.id} at {offsets[b.id]} + {b.size} exceeds the peak {peak}")
+            raise PlanError(f"{b.id} at {offsets[b.id]} + {b.size} exceeds the peak {peak}")
     ordered = sorted(blocks, key=lambda b: b.start)
     for i, a in enumerate(ordered):
         for b in ordered[i + 1:]:
@@ -74,10 +78,11 @@ def check_plan(blocks: Sequence[Block], offsets: Dict[str, int], peak: int) -> N
                 break
             lo_a, lo_b = offsets[a.id], offsets[b.id]
             if lo_a < lo_b + b.size and lo_b < lo_a + a.size:
-                raise AssertionError(f"{a.id} and {b.id} are alive together and overlap in memory")
+                raise PlanError(f"{a.id} and {b.id} are alive together and overlap in memory")
 
 
-def _conflicts(blocks: Sequence[Block]) -> List[Tuple[int, int]]:
+def conflicts(blocks: Sequence[Block]) -> List[Tuple[int, int]]:
+    """Index pairs of the blocks alive together (the pairs that need a non-overlap constraint)."""
     ordered = sorted(range(len(blocks)), key=lambda i: blocks[i].start)
     pairs = []
     for x, i in enumerate(ordered):
@@ -117,7 +122,7 @@ def cpsat(blocks: Sequence[Block], time_limit: float, hint: Dict[str, int], boun
     from ortools.sat.python import cp_model
 
     unit = _unit(blocks)
-    cap = sum(b.size for b in blocks) // unit
+    cap = max(hint[b.id] + b.size for b in blocks) // unit  # the warm start's peak: no worse plan is wanted
     model = cp_model.CpModel()
     peak = model.NewIntVar(-(-bound // unit), cap, "peak")  # never below the live-bytes bound
     xs, ys, addr = [], [], {}
@@ -140,19 +145,30 @@ def cpsat(blocks: Sequence[Block], time_limit: float, hint: Dict[str, int], boun
     return {k: solver.Value(v) * unit for k, v in addr.items()}, status == cp_model.OPTIMAL
 
 
-class SizeLimitError(RuntimeError):
-    """Gurobi's pip licence refuses models above 2000 variables or constraints (error 10010)."""
+class SolverUnavailable(RuntimeError):
+    """The solver could not run here; the message says why (for the plan's notes)."""
+
+
+def _gurobi_failure(err) -> SolverUnavailable:
+    if err.errno == 10010:  # the pip licence stops at 2000 variables or constraints
+        return SolverUnavailable(f"gurobi: size-limited licence ({err})")
+    return SolverUnavailable(f"gurobi: error {err.errno} ({err})")  # e.g. 10009: no valid licence
 
 
 def gurobi(blocks: Sequence[Block], time_limit: float, hint: Dict[str, int], bound: int):
     import gurobipy as gp
 
-    pairs = _conflicts(blocks)
-    cap = float(sum(b.size for b in blocks))
+    pairs = conflicts(blocks)
+    # The warm start's peak bounds every address and is the big-M: a plan no better is not wanted,
+    # and a smaller M keeps Gurobi's integrality tolerance (z within 1e-9 of 0 or 1) below a unit.
+    cap = float(max(hint[b.id] + b.size for b in blocks))
     try:
         with gp.Env(params={"OutputFlag": 0}) as env, gp.Model(env=env) as m:
             m.Params.TimeLimit = time_limit
             m.Params.BestObjStop = bound  # a plan at the live-bytes bound is optimal: stop there
+            # Gurobi calls a plan optimal within a 1e-4 relative gap by default, megabytes at a
+            # real peak; the objective is whole units, so a gap under one unit is a proof
+            m.Params.MIPGap, m.Params.MIPGapAbs, m.Params.IntFeasTol = 0.0, 0.999, 1e-9
             peak = m.addVar(lb=float(bound), ub=cap, name="M")
             # integral addresses (in ALIGN units): a continuous optimum could sit between them
             a = [m.addVar(lb=0.0, ub=cap, vtype=gp.GRB.INTEGER, name=f"A{i}") for i in range(len(blocks))]
@@ -170,9 +186,7 @@ def gurobi(blocks: Sequence[Block], time_limit: float, hint: Dict[str, int], bou
             offsets = {b.id: int(round(a[i].X)) for i, b in enumerate(blocks)}
             return offsets, m.Status == gp.GRB.OPTIMAL
     except gp.GurobiError as err:
-        if err.errno == 10010:
-            raise SizeLimitError(str(err)) from None
-        raise
+        raise _gurobi_failure(err) from None
 
 
 def plan(blocks: Sequence[Block], solver: str = "gurobi", time_limit: float = 30.0) -> Plan:
@@ -203,8 +217,8 @@ def _solve(blocks: List[Block], solver: str, time_limit: float) -> Plan:
         t0 = time.perf_counter()
         try:
             result = (gurobi if name == "gurobi" else cpsat)(blocks, time_limit, base, bound)
-        except SizeLimitError as err:
-            notes.append(f"gurobi: size-limited licence ({err}); falling back")
+        except SolverUnavailable as err:
+            notes.append(f"{err}; falling back")
             continue
         except ImportError as err:
             notes.append(f"{name}: not installed ({err}); falling back")
@@ -214,10 +228,14 @@ def _solve(blocks: List[Block], solver: str, time_limit: float) -> Plan:
             continue
         offsets, optimal = result
         peak = max(offsets[b.id] + b.size for b in blocks)
-        if peak <= base_peak:
+        if peak > base_peak:
+            notes.append(f"{name}: peak {peak} worse than greedy's {base_peak}; kept greedy")
+            break
+        try:
             check_plan(blocks, offsets, peak)
-            return Plan(name, peak, bound, offsets, time.perf_counter() - t0, optimal or peak == bound, notes)
-        notes.append(f"{name}: peak {peak} worse than greedy's {base_peak}; kept greedy")
-        break
+        except PlanError as err:  # a solver's tolerance let tensors touch: never hand that out
+            notes.append(f"{name}: its plan failed the check ({err}); falling back")
+            continue
+        return Plan(name, peak, bound, offsets, time.perf_counter() - t0, optimal or peak == bound, notes)
     check_plan(blocks, base, base_peak)
     return Plan("greedy", base_peak, bound, base, time.perf_counter() - start, base_peak == bound, notes)

@@ -13,7 +13,7 @@ import bisect
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from megatron.longseq.memo import dsa
 from megatron.longseq.memo.buffers import aligned
@@ -57,13 +57,14 @@ class MemoryPlan:
             "windows_reusing_a_plan": len(self.reused),
         }
 
-    def save(self, path: str) -> None:
+    def save(self, path: str, planned_for: Optional[dict]) -> None:
+        """The plan, with what the caller says of the run it was made for (its sizes' settings)."""
         with open(path, "w") as f:
-            json.dump({"format": PLAN_FORMAT, **self.summary(), "offsets": self.offsets,
+            json.dump({"format": PLAN_FORMAT, **self.summary(), "planned_for": planned_for, "offsets": self.offsets,
                        "replay": asdict(self.replay)}, f)
 
 
-PLAN_FORMAT = "memo-plan-3"  # 3: empty requests are no request of the plan
+PLAN_FORMAT = "memo-plan-4"  # 3: empty requests are no request of the plan; 4: the run it was made for
 
 
 def replay_of(trace: Trace, offsets: Dict[str, int], blocks: List[dsa.Block]) -> Replay:
@@ -96,6 +97,12 @@ def _window_finder(windows: Dict[str, Tuple[int, int]]):
     return window_of
 
 
+def _signature(bs: List[dsa.Block]) -> tuple:
+    """What a window's plan depends on: its sizes in request order and which pairs are alive
+    together. Windows equal in both share one plan; equal sizes alone may overlap otherwise."""
+    return tuple(b.size for b in bs), frozenset(frozenset(pair) for pair in dsa.conflicts(bs))
+
+
 def bilevel_plan(trace: Trace, solver: str = "gurobi", time_limit: float = 30.0) -> MemoryPlan:
     windows = trace.windows()
     blocks = trace.blocks()
@@ -109,7 +116,7 @@ def bilevel_plan(trace: Trace, solver: str = "gurobi", time_limit: float = 30.0)
     reused: Dict[str, str] = {}
     solved: Dict[tuple, Tuple[str, dsa.Plan]] = {}  # request signature -> (first window, plan)
     for label, bs in inside.items():
-        signature = tuple(b.size for b in bs)
+        signature = _signature(bs)
         if signature in solved:
             first, p = solved[signature]
             ids = [b.id for b in inside[first]]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import weakref
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -24,13 +24,15 @@ Event = Tuple[str, str, int]
 @dataclass
 class Trace:
     events: List[Event] = field(default_factory=list)
+    planned_for: Optional[dict] = None  # the settings of the run traced, passed on to its plan
+
 
     def mark(self, label: str) -> None:
         self.events.append(("mark", label, 0))
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
-            json.dump({"format": "memo-trace-1", "events": self.events}, f)
+            json.dump({"format": "memo-trace-1", "events": self.events, "planned_for": self.planned_for}, f)
 
     @classmethod
     def load(cls, path: str) -> "Trace":
@@ -38,7 +40,7 @@ class Trace:
             blob = json.load(f)
         if blob.get("format") != "memo-trace-1":
             raise ValueError(f"{path} is not a memo trace file")
-        return cls([tuple(e) for e in blob["events"]])
+        return cls(checked_events(blob["events"]), blob.get("planned_for"))
 
     def windows(self) -> Dict[str, Tuple[int, int]]:
         """label -> (position of "begin label", position of "end label"); the k-th repeat of a
@@ -68,6 +70,24 @@ class Trace:
                 blocks.append(Block(tid, size, start, pos))
         blocks += [Block(tid, size, start, len(self.events)) for tid, (start, size) in open_at.items()]
         return sorted(blocks, key=lambda b: b.start)
+
+
+def checked_events(events: list) -> List[Event]:
+    """A saved event list as events, or ValueError naming the first that is none: a malformed one
+    would be planned silently (a repeated id at one address with its twin)."""
+    live: set = set()
+    for i, e in enumerate(events):
+        ok = isinstance(e, list) and len(e) == 3 and e[0] in ("malloc", "free", "mark") and isinstance(e[1], str) \
+            and type(e[2]) is int and e[2] >= 0
+        if not ok:
+            raise ValueError(f"event {i} {e!r} is not [malloc|free|mark, id, bytes >= 0]")
+        if e[0] == "malloc" and e[1] in live:
+            raise ValueError(f"event {i} {e!r} allocates {e[1]!r}, which is still alive")
+        if e[0] == "malloc":
+            live.add(e[1])
+        elif e[0] == "free":
+            live.discard(e[1])
+    return [tuple(e) for e in events]
 
 
 class AllocationTracer(TorchDispatchMode):

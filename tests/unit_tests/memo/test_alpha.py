@@ -8,6 +8,15 @@ GB = 2**30
 LAYER = LayerProfile(128 * 2**20, 128 * 2**20, int(1.5 * GB), 0.060)
 
 
+@pytest.mark.parametrize("bandwidth, seconds", [(0.0, 0.06), (float("nan"), 0.06), (20 * GB, float("nan"))])
+def test_a_broken_measurement_is_refused_not_planned(bandwidth, seconds):
+    """Zero bandwidth divided by zero; a NaN layer time gave alpha 1 (every token swapped)."""
+    layer = LayerProfile(LAYER.input_bytes, LAYER.attention_bytes, LAYER.other_bytes, seconds)
+    for forced in (None, 0.0):
+        with pytest.raises(ValueError, match="cannot size alpha"):
+            solve_alpha(layer, bandwidth, live=30, host_budget=1e15, forced=forced)
+
+
 def test_bandwidth_bound():
     plan = solve_alpha(LAYER, bandwidth=20 * GB, live=30, host_budget=1e15)
     # 20 GB/s x 60 ms = 1.2 GiB per layer; minus 0.25 GiB fixed leaves 0.95 GiB of the 1.5 GiB

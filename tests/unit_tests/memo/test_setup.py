@@ -85,7 +85,10 @@ def _check_plans_per_stage(tmp):
     marks = {stage: {label.split()[-1] for label, _ in json.load(open(path))["replay"]["marks"]}
              for stage, path in files.items()}
     assert marks == {0: {"L1", "L2", "L3"}, 1: {"L4"}}  # stage 1 keeps its last two layers
-    _stage_setup(f"--memo-plan {tmp}/plan.json")  # each stage reuses its own
+    alpha = json.load(open(files[0]))["planned_for"]["memo_swap_fraction"]
+    assert json.load(open(files[1]))["planned_for"]["memo_swap_fraction"] == alpha  # the stages agreed
+    # each stage reuses its own, at its alpha: the LP's answer may differ run to run (it is timed)
+    assert _stage_setup(f"--memo-plan {tmp}/plan.json").alpha == alpha
     dist.barrier()
     if dist.get_rank() == 0:  # the two stages' files swapped
         os.rename(files[0], f"{tmp}/swap")
@@ -136,3 +139,26 @@ def test_no_plan_is_made_for_the_caching_allocator(monkeypatch, capsys):
     _, high = _needs()
     _setup(2 * high)
     assert "MEMO memory plan: none made" in capsys.readouterr().out
+
+
+def test_a_plan_is_reused_only_by_the_run_it_was_made_for(tmp_path):
+    """A plan records the settings its request sizes depend on: another --seq-length, or a fixed
+    --memo-swap-fraction other than the plan's, is one line at validation; 'auto' takes the plan's."""
+    from megatron.longseq.memo.planner import bilevel_plan
+    from megatron.longseq.memo.trace import Trace
+    from megatron.training.arguments import ArgsError
+    from megatron.training.validate_memo import planned_for
+
+    path = tmp_path / "plan.json"
+    bilevel_plan(Trace([("malloc", "a", 512)]), "greedy").save(str(path), planned_for(tiny_args(MODEL), 0.25))
+    for flags in ("", "--memo-swap-fraction 0.25"):
+        assert tiny_args(f"{MODEL} --memo-plan {path} {flags}").memo_plan == str(path)
+    refusals = {"--seq-length 64 --max-position-embeddings 64": "--seq-length 32 (this run: 64)",
+                "--memo-swap-fraction 0.5": "--memo-swap-fraction 0.25 (this run: 0.5)"}
+    for flags, said in refusals.items():
+        with pytest.raises(ArgsError) as refused:
+            tiny_args(f"{MODEL} --memo-plan {path} {flags}")
+        assert str(refused.value) == f"--memo-plan: {path} was planned for {said}: plan again for this run"
+    bilevel_plan(Trace([("malloc", "a", 512)]), "greedy").save(str(path), None)
+    with pytest.raises(ArgsError, match="was planned for no run of --memo it records"):
+        tiny_args(f"{MODEL} --memo-plan {path}")

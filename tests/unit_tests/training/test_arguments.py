@@ -273,7 +273,7 @@ def test_a_saved_plan_of_another_format_is_refused(tmp_path):
     old = tmp_path / "plan.json"
     old.write_text('{"format": "memo-plan-1", "windows": {}}')
     message = error_of(f"--memo --hidden-dropout 0 --memo-plan {old}")
-    assert message == f"--memo-plan: {old} is not a MEMO memory plan of this version (memo-plan-3): plan again"
+    assert message == f"--memo-plan: {old} is not a MEMO memory plan of this version (memo-plan-4): plan again"
     old.write_text("{")
     assert error_of(f"--memo --hidden-dropout 0 --memo-plan {old}").startswith("--memo-plan: Expecting")
 
