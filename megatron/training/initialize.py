@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -24,14 +25,57 @@ class LaunchEnv:
 
 
 def launch_env() -> LaunchEnv:
-    """torchrun exports RANK/WORLD_SIZE/LOCAL_RANK; `srun python pretrain_gpt.py` exports
-    SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID (MASTER_ADDR/PORT come from the batch script)."""
-    if "RANK" in os.environ:
-        return LaunchEnv(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
-    if "SLURM_PROCID" in os.environ:
-        return LaunchEnv(int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"]),
-                         int(os.environ.get("SLURM_LOCALID", 0)), "srun")
+    """torchrun exports RANK/WORLD_SIZE/LOCAL_RANK; an srun task SLURM_PROCID/SLURM_LOCALID and the
+    step's SLURM_STEP_NUM_TASKS. A batch script itself has SLURM_PROCID 0 and the job's SLURM_NTASKS
+    but no step: a plain `python pretrain_gpt.py` there is one rank, not rank 0 of a world that
+    never starts. Inconsistent variables are one line here, not a hang at the rendezvous."""
+    env = os.environ
+    if "RANK" in env:
+        _require_env(("RANK", "WORLD_SIZE"), "RANK and WORLD_SIZE come together (start with torchrun, or set both)")
+        return _checked(LaunchEnv(_int_env("RANK"), _int_env("WORLD_SIZE"), _int_env("LOCAL_RANK", 0)))
+    if "SLURM_STEP_NUM_TASKS" in env or "SLURM_STEP_ID" in env:
+        world = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
+        _require_env(("SLURM_PROCID", world), f"an srun task has SLURM_PROCID and {world}")
+        return _checked(LaunchEnv(_int_env("SLURM_PROCID"), _int_env(world), _int_env("SLURM_LOCALID", 0), "srun"))
     return LaunchEnv(0, 1, 0, "none")
+
+
+def _require_env(names, why: str) -> None:
+    missing = [n for n in names if n not in os.environ]
+    if missing:
+        raise ArgsError(f"{' and '.join(missing)} unset: {why}")
+
+
+def _int_env(name: str, default: int | None = None) -> int:
+    text = os.environ.get(name, default)
+    try:
+        return int(text)
+    except ValueError:
+        raise ArgsError(f"the environment's {name}={text!r} is not a whole number") from None
+
+
+def _checked(env: LaunchEnv) -> LaunchEnv:
+    if not 0 <= env.rank < env.world_size:
+        raise ArgsError(f"this process's rank {env.rank} is outside a world of {env.world_size} "
+                        f"(from {env.launcher}'s variables): no rank would host the rendezvous")
+    return env
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm host list: 'gpu[07-09,12]-ib,cpu3' -> 'gpu07-ib'."""
+    first = re.match(r"[^,\[]*(?:\[[^\]]*\][^,\[]*)*", nodelist)[0]  # up to the first comma outside []
+    return re.sub(r"\[([^\]]*)\]", lambda m: re.split(r"[-,]", m[1])[0], first)
+
+
+def _srun_rendezvous() -> None:
+    """srun starts the ranks itself (no torchrun): unless the script exported them, the first
+    host of the step hosts the store, on a port from the job id (10000-29999, below Linux's
+    ephemeral range; two jobs sharing a node get different ports unless their ids are 20000 apart)."""
+    nodes = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
+    if nodes:
+        os.environ.setdefault("MASTER_ADDR", first_host(nodes))
+    if "SLURM_JOB_ID" in os.environ:
+        os.environ.setdefault("MASTER_PORT", str(10000 + _int_env("SLURM_JOB_ID") % 20000))
 
 
 def _free_port() -> int:
@@ -40,12 +84,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def initialize_distributed(args) -> ProcessGroups:
-    """Init the default group on the backend chosen in validation, then every grid group."""
-    env = launch_env()
+def _rendezvous(env: LaunchEnv) -> None:
     if env.world_size == 1:  # a plain `python pretrain_gpt.py` run
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    elif env.launcher == "srun":
+        _srun_rendezvous()
+    _require_env(("MASTER_ADDR", "MASTER_PORT"), f"{env.world_size} ranks need the rank-0 host's address and port "
+                                                  "(torchrun sets them, srun's come from its node list and job id; "
+                                                  "export them otherwise)")
+
+
+def initialize_distributed(args) -> ProcessGroups:
+    """Init the default group on the backend chosen in validation, then every grid group."""
+    env = launch_env()
+    _rendezvous(env)
     if args.device_type == "cuda":
         _claim_gpu(args, env)
     if args.deterministic_mode:
@@ -93,11 +146,14 @@ def _claim_gpu(args, env: LaunchEnv) -> None:
 
 
 def gpu_index(env: LaunchEnv, visible: int) -> int:
-    """This rank's GPU among the `visible` ones: its local rank, or the one GPU a task sees of its
-    own (srun --gpus-per-task=1, no torchrun). More local ranks than GPUs is refused: NCCL would
-    find two ranks on one GPU at the first collective, far from the cause."""
-    if visible == 1 and env.launcher == "srun":
-        return 0
+    """This rank's GPU among the `visible` ones: its local rank; a task srun started with GPUs of
+    its own (--gpus-per-task, which srun exports as SLURM_GPUS_PER_TASK, or a single one) sees them
+    numbered from 0 whatever its local rank, so its local rank modulo them. Otherwise more local
+    ranks than GPUs is refused: NCCL would find two ranks on one GPU at the first collective, far
+    from the cause."""
+    own = "SLURM_GPUS_PER_TASK" in os.environ or visible == 1
+    if env.launcher == "srun" and own:
+        return env.local_rank % visible
     if env.local_rank >= visible:
         raise ArgsError(f"local rank {env.local_rank} but {visible} GPU(s) visible to this process: start at "
                         f"most one process per GPU (torchrun --nproc-per-node, srun --gpus-per-task)")

@@ -51,15 +51,26 @@ class StepProfiler(contextlib.AbstractContextManager):
         self.on = args.profile and self.rank in args.profile_ranks
         self.torch_prof = None
         self.nvtx = None
+        self.window = None  # [first, last] iterations recorded, while and after the profile runs
+        self.checked = False
         if args.record_memory_history:
             torch.cuda.memory._record_memory_history(max_entries=100000)
 
     def before_step(self, done: int) -> None:
-        """`done`: the iterations completed before this step."""
-        if self.on and done == self.args.profile_step_start:
+        """`done`: the iterations completed before this step. A run resumed inside the window
+        profiles what is left of it; one resumed past it says so once."""
+        start, end = self.args.profile_step_start, self.args.profile_step_end
+        if self.on and not self.checked and done >= end:
+            print(f"[rank {self.rank}] --profile: the run starts after {done} iterations, past the window "
+                  f"({start}, {end}]: nothing is profiled", flush=True)
+        self.checked = True
+        if self.on and self.window is None and start <= done < end:
             self._start()
+            self.window = [done + 1, done + 1]
 
     def after_step(self, done: int, logged: bool) -> None:
+        if self.recording():
+            self.window[1] = done
         if self.on and done == self.args.profile_step_end:
             self._stop()
         if self.args.record_memory_history and logged and self.rank == dist.get_world_size() - 1:
@@ -68,6 +79,9 @@ class StepProfiler(contextlib.AbstractContextManager):
 
     def __exit__(self, *exc) -> None:
         self._stop()
+
+    def recording(self) -> bool:
+        return self.torch_prof is not None or self.nvtx is not None
 
     def _start(self) -> None:
         if self.args.use_pytorch_profiler:
@@ -89,7 +103,7 @@ class StepProfiler(contextlib.AbstractContextManager):
             torch.cuda.cudart().cudaProfilerStop()
 
     def _report(self, prof) -> None:
-        first, last = self.args.profile_step_start + 1, self.args.profile_step_end
+        first, last = self.window  # what ran: an exit can come before --profile-step-end
         where = f"iterations {first}-{last}" if last > first else f"iteration {first}"
         if self.args.tensorboard_dir:
             torch.profiler.tensorboard_trace_handler(self.args.tensorboard_dir, worker_name=f"rank{self.rank}")(prof)

@@ -81,7 +81,8 @@ class Reporter:
         if reset:
             self.stats, self.last = IntervalStats(), now
         if not self.memory_reported:
-            print_rank_0(memory_line(state.iteration))
+            if self.pgs.index("dp") == 0:  # as Megatron: every stage and tp / cp rank, whose memory differs
+                print(memory_line(state.iteration), flush=True)
             print_rank_0(attention_kernel_line(state.model, args.attention_backend))
             self.memory_reported = True
         if args.timing_log_level >= 1:

@@ -400,15 +400,72 @@ def test_transformer_engine_layers_need_transformer_engine(monkeypatch):
     assert "--transformer-impl transformer_engine needs Transformer Engine installed" in message
 
 
-@pytest.mark.parametrize("env, world", [({"SLURM_NTASKS": "4"}, 1),  # a plain python inside an allocation
-                                        ({"SLURM_NTASKS": "4", "SLURM_PROCID": "2"}, 4),  # srun
-                                        ({"RANK": "0", "WORLD_SIZE": "2", "SLURM_NTASKS": "4"}, 2)])  # torchrun
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID",
+               "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS")
+BATCH_SCRIPT = {"SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}  # sbatch's own shell
+
+
+def _launched(monkeypatch, env):
+    for var in LAUNCH_VARS:
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+
+
+@pytest.mark.parametrize("env, world", [
+    ({"SLURM_NTASKS": "4"}, 1),  # a plain python inside an allocation
+    (BATCH_SCRIPT, 1),  # ... in the batch script itself: rank 0 of 4 before, waiting for 3 that never came
+    ({**BATCH_SCRIPT, "SLURM_PROCID": "2", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "8"}, 8),  # an srun task
+    ({"SLURM_NTASKS": "4", "SLURM_PROCID": "2", "SLURM_STEP_ID": "0"}, 4),  # srun without the step's count
+    ({"RANK": "0", "WORLD_SIZE": "2", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0"}, 2)])  # torchrun (under srun)
 def test_validation_counts_the_ranks_start_up_will_have(monkeypatch, env, world):
     """Validation's world (batch arithmetic, the grid) is the one the process group is made with."""
     from megatron.training.validate import world_size_from_env
 
-    for var in ("RANK", "WORLD_SIZE", "SLURM_NTASKS", "SLURM_PROCID"):
-        monkeypatch.delenv(var, raising=False)
-    for var, value in env.items():
-        monkeypatch.setenv(var, value)
+    _launched(monkeypatch, env)
     assert world_size_from_env() == world
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"RANK": "0"}, "WORLD_SIZE unset: RANK and WORLD_SIZE come together (start with torchrun, or set both)"),
+    ({"RANK": "1", "WORLD_SIZE": "1"}, "this process's rank 1 is outside a world of 1 (from torchrun's variables)"),
+    ({"RANK": "x", "WORLD_SIZE": "2"}, "the environment's RANK='x' is not a whole number"),
+    ({"SLURM_STEP_ID": "0", "SLURM_PROCID": "0"}, "SLURM_NTASKS unset: an srun task has SLURM_PROCID and SLURM_NTASKS"),
+])
+def test_inconsistent_launch_variables_are_one_line_not_a_hang(monkeypatch, env, message):
+    """RANK 1 of 1 waited for a store no rank hosts, silently, until the timeout."""
+    from megatron.training.validate import world_size_from_env
+
+    _launched(monkeypatch, env)
+    with pytest.raises(ArgsError) as refused:
+        world_size_from_env()
+    assert message in str(refused.value)
+
+
+@pytest.mark.parametrize("nodes, first", [("gpu[07-09,12]-ib,cpu3", "gpu07-ib"), ("a1,b2", "a1"), ("n5", "n5"),
+                                          ("rack[2-3]-node[001-004]", "rack2-node001"), ("x[4,1-2]", "x4")])
+def test_the_first_host_of_a_slurm_node_list(nodes, first):
+    from megatron.training.initialize import first_host
+
+    assert first_host(nodes) == first
+
+
+def test_srun_tasks_find_the_rendezvous_from_slurms_variables(monkeypatch):
+    """srun python pretrain_gpt.py with nothing exported: the step's first host, a port from the
+    job id; what the script exports wins; without either, one line."""
+    from megatron.training import initialize
+    from megatron.training.arguments import ArgsError
+
+    for var in ("MASTER_ADDR", "MASTER_PORT", "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_JOB_ID"):
+        monkeypatch.setenv(var, "")  # recorded, so that what _rendezvous sets is undone after the test
+        monkeypatch.delenv(var)
+    srun = initialize.LaunchEnv(1, 2, 1, "srun")
+    with pytest.raises(ArgsError, match="MASTER_ADDR and MASTER_PORT unset: 2 ranks need"):
+        initialize._rendezvous(srun)
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "node[03-04]")
+    monkeypatch.setenv("SLURM_JOB_ID", "123456")
+    initialize._rendezvous(srun)
+    assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == ("node03", str(10000 + 123456 % 20000))
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    initialize._rendezvous(srun)
+    assert os.environ["MASTER_PORT"] == "29500"

@@ -107,6 +107,12 @@ def test_pipeline_receives_take_the_configs_pipeline_dtype(monkeypatch):
 
 # ---- process start-up ------------------------------------------------------------------------------
 
+def _two_ranks(monkeypatch):
+    """Rank 0 of 2 as torchrun starts it (the rendezvous variables set)."""
+    monkeypatch.setattr(initialize, "launch_env", lambda: initialize.LaunchEnv(0, 2, 0))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+
 def test_planned_allocator_is_installed_before_cuda_starts(monkeypatch):
     """torch refuses to swap an initialised allocator, and set_device initialises CUDA."""
     from megatron.longseq.memo import allocator
@@ -124,7 +130,7 @@ def test_planned_allocator_is_installed_before_cuda_starts(monkeypatch):
     monkeypatch.setattr(dist, "init_process_group", init_process_group)
     args = SimpleNamespace(device_type="cuda", memo=True, memo_allocator="planned", deterministic_mode=False,
                            distributed_backend="nccl", distributed_timeout_minutes=10)
-    monkeypatch.setattr(initialize, "launch_env", lambda: initialize.LaunchEnv(0, 2, 0))
+    _two_ranks(monkeypatch)
     with pytest.raises(Reached):
         initialize.initialize_distributed(args)
     assert calls == ["install", "set_device"]
@@ -147,7 +153,7 @@ def test_the_worlds_first_collective_is_ours_on_the_backends_device(monkeypatch)
     monkeypatch.setattr(initialize, "build_process_groups", lambda *a: calls.append("groups"))
     args = SimpleNamespace(device_type="cpu", deterministic_mode=False, distributed_backend="gloo",
                            distributed_timeout_minutes=10)
-    monkeypatch.setattr(initialize, "launch_env", lambda: initialize.LaunchEnv(0, 2, 0))
+    _two_ranks(monkeypatch)
     with pytest.raises(Reached):
         initialize.initialize_distributed(args)
     assert calls == ["init_process_group", ("all_reduce_values", None)]
@@ -178,7 +184,7 @@ def test_groups_of_one_rank_get_their_communicator_before_the_model(monkeypatch)
     monkeypatch.setattr(initialize, "_claim_gpu", lambda args, env: None)
     monkeypatch.setattr(initialize, "seed_everything", lambda *a: calls.append("seeds"))
     monkeypatch.setattr(initialize, "device_of", lambda args: torch.device(args.device_type))
-    monkeypatch.setattr(initialize, "launch_env", lambda: initialize.LaunchEnv(0, 2, 0))
+    _two_ranks(monkeypatch)
     monkeypatch.setattr(initialize, "RankGrid", lambda **kw: None)
     monkeypatch.setattr(initialize, "rank_order", lambda args: None)
     for device_type in ("cuda", "cpu"):
@@ -193,16 +199,22 @@ def test_groups_of_one_rank_get_their_communicator_before_the_model(monkeypatch)
         assert calls == ["groups", *made, "seeds"], calls  # after the groups, before anything else
 
 
-@pytest.mark.parametrize("launcher, local_rank, visible, index", [
-    ("torchrun", 3, 8, 3), ("srun", 3, 1, 0), ("srun", 3, 8, 3), ("torchrun", 0, 1, 0),
-    ("torchrun", 1, 1, None), ("torchrun", 4, 4, None), ("srun", 8, 4, None),
+@pytest.mark.parametrize("launcher, local_rank, visible, index, per_task", [
+    ("torchrun", 3, 8, 3, None), ("srun", 3, 1, 0, None), ("srun", 3, 8, 3, None), ("torchrun", 0, 1, 0, None),
+    ("torchrun", 1, 1, None, None), ("torchrun", 4, 4, None, None), ("srun", 8, 4, None, None),
+    ("srun", 2, 2, 0, "2"), ("srun", 3, 2, 1, "2"), ("torchrun", 2, 2, None, "2"),
 ])
-def test_each_rank_gets_a_gpu_of_its_own_or_a_one_line_error(launcher, local_rank, visible, index):
-    """One GPU per rank: the local rank's, or the one a Slurm task sees of its own. More local ranks
-    than GPUs (CUDA_VISIBLE_DEVICES narrower than --nproc-per-node, say) used to wrap around onto
-    a GPU another rank holds: NCCL's "Duplicate GPU detected" at the first collective."""
+def test_each_rank_gets_a_gpu_of_its_own_or_a_one_line_error(monkeypatch, launcher, local_rank, visible, index,
+                                                             per_task):
+    """One GPU per rank: the local rank's, or one of those a Slurm task sees of its own (one, or
+    srun --gpus-per-task). More local ranks than GPUs (CUDA_VISIBLE_DEVICES narrower than
+    --nproc-per-node, say) used to wrap around onto a GPU another rank holds: NCCL's "Duplicate
+    GPU detected" at the first collective."""
     from megatron.training.arguments import ArgsError
 
+    monkeypatch.delenv("SLURM_GPUS_PER_TASK", raising=False)
+    if per_task:
+        monkeypatch.setenv("SLURM_GPUS_PER_TASK", per_task)
     env = initialize.LaunchEnv(local_rank, 16, local_rank, launcher)
     if index is None:
         with pytest.raises(ArgsError, match=f"local rank {local_rank} but {visible} GPU"):

@@ -43,10 +43,29 @@ def test_megatrons_window_profiles_the_11th_and_12th_iterations(tmp_path, capsys
     assert list(Path(tmp_path).glob("rank0.*.pt.trace.json"))
 
 
-def test_a_run_that_ends_inside_the_window_still_reports(tmp_path, capsys):
+def test_a_run_that_ends_inside_the_window_reports_what_ran(tmp_path, capsys):
     with _profiler(tmp_path, "--profile-step-start 1 --profile-step-end 5") as profiler:
         _steps(profiler, 1, 3, _named_op)  # an exit condition after iteration 3
-    assert "profile of iterations 2-5" in capsys.readouterr().out
+    assert "profile of iterations 2-3," in capsys.readouterr().out  # not the window it did not reach
+
+
+def test_a_run_resumed_inside_the_window_profiles_the_rest_of_it(tmp_path, capsys):
+    """Saved after 2 iterations, resumed with the window (1, 4]: iterations 3 and 4 (the window
+    started only at exactly --profile-step-start completed iterations: nothing, silently)."""
+    with _profiler(tmp_path, "--profile-step-start 1 --profile-step-end 4") as profiler:
+        _steps(profiler, 3, 6, _named_op)
+    out = capsys.readouterr().out
+    assert "profile of iterations 3-4," in out
+    ops = {line.split(" | ")[0][2:] for line in out.splitlines() if line.startswith("| ")}
+    assert {"step3", "step4"} <= ops and not ops & {"step5", "step6"}, ops
+
+
+def test_a_run_resumed_past_the_window_says_so(tmp_path, capsys):
+    with _profiler(tmp_path, "--profile-step-start 1 --profile-step-end 4") as profiler:
+        _steps(profiler, 5, 6, _named_op)
+    out = capsys.readouterr().out
+    assert "profile of" not in out
+    assert out.count("--profile: the run starts after 4 iterations, past the window (1, 4]: nothing is profiled") == 1
 
 
 def test_a_rank_outside_profile_ranks_profiles_nothing(tmp_path, capsys):

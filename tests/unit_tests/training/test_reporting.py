@@ -32,7 +32,7 @@ def reporter(monkeypatch):
     for name in ("memory_line", "attention_kernel_line", "pipeline_memory_line"):
         monkeypatch.setattr(reporting, name, lambda *a: "")
     scalars = SimpleNamespace(scalars=lambda values, step, samples=None: tb.append((step, dict(values))))
-    rep = reporting.Reporter(_args(), None, Timers(1, cuda=False), scalars)
+    rep = reporting.Reporter(_args(), SimpleNamespace(index=lambda axis: 0), Timers(1, cuda=False), scalars)
     return rep, clock, tb
 
 
@@ -76,3 +76,18 @@ def test_a_resumed_run_logs_its_first_iteration_and_then_every_interval(reporter
         _step(rep, clock, it, at=float(it), loss=1.0, fb_s=0.0)
         logged += [it] if rep.logged else []
     assert logged == [7, 9, 12]
+
+
+@pytest.mark.parametrize("dp_rank, printed", [(0, True), (1, False)])
+def test_the_memory_report_comes_from_every_first_data_parallel_rank(monkeypatch, capsys, dp_rank, printed):
+    """Megatron's report_memory: every rank of data-parallel rank 0 (each pipeline stage, tp and cp
+    rank: their memory differs), not global rank 0 alone, which is one stage's."""
+    monkeypatch.setattr(reporting, "memory_line", lambda iteration: f"memory after {iteration}")
+    monkeypatch.setattr(reporting, "attention_kernel_line", lambda *a: "")
+    monkeypatch.setattr(reporting, "print_rank_0", lambda *a: None)  # as a rank other than 0 sees it
+    monkeypatch.setattr(reporting, "num_floating_point_operations", lambda args, batch: 1.0)
+    pgs = SimpleNamespace(index=lambda axis: dp_rank if axis == "dp" else 1)
+    rep = reporting.Reporter(_args(timing_log_level=0), pgs, Timers(0, cuda=False),
+                             SimpleNamespace(scalars=lambda *a, **k: None))
+    _step(rep, _Clock(), 1, at=1.0, loss=1.0, fb_s=0.1)
+    assert ("memory after 1" in capsys.readouterr().out) == printed
