@@ -43,6 +43,8 @@ def ring_tokens(seq_len: int, ring: int, starts: Optional[torch.Tensor] = None) 
 def local_token_indices(seq_len: int, hp: int, ring: int, hp_index: int, ring_index: int,
                         starts: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Indices (into 0..S-1) of the tokens rank (hp_index, ring_index) holds, in its local order."""
+    if hp * ring == 1:  # the whole sequence in order: any length (a packed micro-batch's segments are)
+        return torch.arange(seq_len)
     if seq_len % (2 * hp * ring):
         raise ValueError(f"sequence length {seq_len} is not divisible by 2 x context parallel size "
                          f"{hp * ring} = {2 * hp * ring}")

@@ -224,6 +224,23 @@ def test_packed_micro_batches_choose_their_own_segments(workers):
     assert len(seen) > 1  # the documents did move the segments
 
 
+def test_without_context_parallelism_packed_segments_may_have_any_length():
+    """cp 1: segment boundaries fall on any token (granularity 1), odd lengths included; the
+    samples pass unchanged. The placement asked for an even length and crashed the first batch."""
+    from megatron.longseq.attention.placement import SEGMENT_LENGTHS
+    from megatron.training.data import build_loader
+    from tests.unit_tests.model_utils import tiny_args
+
+    args = tiny_args("--seq-length 512 --max-position-embeddings 512 --reset-attention-mask --pipe-sp-splits 2 "
+                     "--pipe-sp-strategy uniform_comp")
+    pgs = SimpleNamespace(size=lambda axis: 1, index=lambda axis: 0)
+    lengths = []
+    for m, batch in enumerate(build_loader(_Packed(), 0, args, pgs, eod=0)):
+        lengths += batch[SEGMENT_LENGTHS].tolist()
+        for b in range(2):
+            assert torch.equal(batch["tokens"][b], _Packed()[2 * m + b]["tokens"])
+    assert any(n % 2 for n in lengths), lengths  # what crashed
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_a_weighted_blend_of_corpora_reaches_the_batch(corpus, tmp_path, packed):
     """--data-path 0.3 A 0.7 B: megatron-core's blend adds the sample's source (`dataset_id`, a
