@@ -45,12 +45,26 @@ UNSUPPORTED = {
     "--check-for-large-grads": "only NaN / Inf gradients are checked (--check-for-nan-in-loss-and-grad)",
     "--lr-wsd-decay-style": "the WSD learning-rate schedule is not implemented",
     "--optimizer-cpu-offload": "optimizer CPU offload is not implemented (MEMO offloads activations: --memo)",
+    "--full-validation": "validation reads --eval-iters batches (a pass over the whole set is not implemented)",
+    "--multiple-validation-sets": "one validation set (the --split share of --data-path) is read",
+    "--train-data-path": "separate corpora per split are not implemented: one --data-path, cut by --split",
+    "--valid-data-path": "separate corpora per split are not implemented: one --data-path, cut by --split",
+    "--test-data-path": "separate corpora per split are not implemented: one --data-path, cut by --split",
+    "--log-straggler": "straggler detection is not implemented (--timing-log-level 1 prints each timer's "
+                       "min and max over the ranks)",
+    "--nvtx-ranges": "NVTX ranges per op come with --profile (without --use-pytorch-profiler), not per module",
 }
 
 # Settings read only under their switch: given without it, they would change nothing.
 _LLAMA3 = ("--use-rope-scaling", lambda a: a.use_rope_scaling)
 _YARN = ("--rope-type yarn", lambda a: a.rope_type == "yarn")
-NEEDS_SWITCH = {"--rope-scaling-factor": _LLAMA3, "--rotary-scaling-factor": _YARN, "--beta-fast": _YARN,
+_PROFILE = ("--profile", lambda a: a.profile)
+_TORCH_PROFILER = ("--profile --use-pytorch-profiler", lambda a: a.profile and a.use_pytorch_profiler)
+NEEDS_SWITCH = {"--use-pytorch-profiler": _PROFILE, "--profile-step-start": _PROFILE, "--profile-step-end": _PROFILE,
+                "--profile-ranks": _PROFILE, "--pytorch-profiler-collect-shapes": _TORCH_PROFILER,
+                "--pytorch-profiler-collect-callstack": _TORCH_PROFILER,
+                "--memory-snapshot-path": ("--record-memory-history", lambda a: a.record_memory_history),
+"--rope-scaling-factor": _LLAMA3, "--rotary-scaling-factor": _YARN, "--beta-fast": _YARN,
                 "--beta-slow": _YARN, "--mscale": _YARN, "--mscale-all-dim": _YARN,
                 "--original-max-position-embeddings": ("--use-rope-scaling or --rope-type yarn",
                                                        lambda a: a.use_rope_scaling or a.rope_type == "yarn")}
@@ -106,6 +120,8 @@ NO_OP = {
                                        "fp16 scores in range, and every kernel here scales them in fp32",
     "--overlap-p2p-communication-warmup-flush": "pipeline sends never block and each receive is posted ahead, "
                                                 "in every phase of every schedule (warm-up and flush included)",
+    "--no-barrier-with-L1-time": "the timers never wait at a barrier before timing: what the flag asks is "
+                                 "always so",
 }
 
 
@@ -418,13 +434,19 @@ def _checkpoint_and_logging(p):
                         "checkpoint says")
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)
-    g.add_argument("--eval-interval", type=int, default=None,
-                   help="iterations between evaluations (default: evaluate at the end only)")
+    g.add_argument("--eval-interval", type=int, default=1000,
+                   help="iterations between evaluations (Megatron's default); the end of training evaluates too")
     g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--skip-train", action="store_true",
+                   help="no training: evaluate the loaded model on the validation and test sets, and exit")
     g.add_argument("--tensorboard-dir", type=str)
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000,
+                   help="events tensorboard's writer holds before it writes them to disk")
     g.add_argument("--tensorboard-log-interval", type=int, default=1)
     g.add_argument("--log-throughput", action="store_true")
     g.add_argument("--timing-log-level", type=int, choices=[0, 1, 2], default=0)
+    g.add_argument("--timing-log-option", choices=["max", "minmax", "all"], default="minmax",
+                   help="each timer over the ranks: its max, its (min, max), or every rank's")
     g.add_argument("--log-params-norm", action="store_true")
     g.add_argument("--log-num-zeros-in-grad", action="store_true")
     g.add_argument("--log-memory-to-tensorboard", action="store_true")
@@ -447,6 +469,10 @@ def _checkpoint_and_logging(p):
     g.add_argument("--profile-step-start", type=int, default=10, help="--profile from this many completed iterations")
     g.add_argument("--profile-step-end", type=int, default=12, help="--profile up to this many completed iterations")
     g.add_argument("--profile-ranks", type=int, nargs="+", default=[0], help="the global ranks --profile covers")
+    g.add_argument("--pytorch-profiler-collect-shapes", action="store_true",
+                   help="torch's profiler records each op's input shapes")
+    g.add_argument("--pytorch-profiler-collect-callstack", action="store_true",
+                   help="torch's profiler records each op's Python call stack")
     g.add_argument("--record-memory-history", action="store_true",
                    help="record the CUDA caching allocator's history; the last rank writes a snapshot to "
                         "--memory-snapshot-path after every logged iteration (https://pytorch.org/memory_viz)")

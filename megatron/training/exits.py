@@ -47,13 +47,19 @@ class ExitWatch:
         """Why every rank stops after this iteration, or None to go on."""
         if self.interval and iteration % self.interval == 0:
             return f"at iteration {iteration}"
+        why = self.urgent()
+        return why and f"{why} at iteration {iteration}"
+
+    def urgent(self) -> Optional[str]:
+        """The clock or the signal, agreed by every rank (also between evaluation iterations, as
+        Megatron checks the time there: a long evaluation must not run past the save)."""
         if self.minutes is None and self.signum is None:
             return None  # nothing to agree on: no collective
         late, caught = self._vote(self.minutes is not None and self.elapsed_minutes() > self.minutes)
         if late:
-            return f"after {self.minutes:g} minutes (--exit-duration-in-mins) at iteration {iteration}"
+            return f"after {self.minutes:g} minutes (--exit-duration-in-mins)"
         if caught:
-            return f"on {self.signum.name} at iteration {iteration}"
+            return f"on {self.signum.name}"
         return None
 
     def elapsed_minutes(self) -> float:

@@ -134,12 +134,12 @@ def memory_line(iteration: int) -> str:
 class TensorboardLogger:
     """Scalars with Megatron's names, written from the last rank (where the losses are)."""
 
-    def __init__(self, log_dir: Optional[str]):
+    def __init__(self, log_dir: Optional[str], queue_size: int = 1000):
         self.writer = None
         if log_dir and is_last_rank():
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=log_dir, max_queue=1000)
+            self.writer = SummaryWriter(log_dir=log_dir, max_queue=queue_size)
 
     def scalars(self, values: Dict[str, float], iteration: int, samples: Optional[int] = None) -> None:
         if self.writer is None:

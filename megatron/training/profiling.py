@@ -85,7 +85,9 @@ class StepProfiler(contextlib.AbstractContextManager):
 
     def _start(self) -> None:
         if self.args.use_pytorch_profiler:
-            self.torch_prof = torch.profiler.profile(activities=_activities(self.cuda), record_shapes=True)
+            self.torch_prof = torch.profiler.profile(activities=_activities(self.cuda),
+                                                     record_shapes=self.args.pytorch_profiler_collect_shapes,
+                                                     with_stack=self.args.pytorch_profiler_collect_callstack)
             self.torch_prof.start()
         else:
             torch.cuda.cudart().cudaProfilerStart()

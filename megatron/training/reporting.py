@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from typing import List
 
 from megatron.longseq.attention.ledger import LEDGER
 from megatron.longseq.collectives import all_gather_values
@@ -114,13 +115,30 @@ class Reporter:
             print_rank_0(LEDGER.format(iterations=n))
         if reset:
             LEDGER.clear()
-        times = self.timers.min_max(list(self.TIMERS), reset=reset)
+        option = self.args.timing_log_option
+        if option == "all":
+            times = self.timers.per_rank(list(self.TIMERS), reset=reset)
+        else:
+            times = {name: list(ms) for name, ms in self.timers.min_max(list(self.TIMERS), reset=reset).items()}
         if not times:
             return
-        lines = [f"    {(name + ' ').ljust(48, '.')}: ({lo / n:.2f}, {hi / n:.2f})" for name, (lo, hi) in times.items()]
-        print_rank_last("(min, max) time across ranks (ms):\n" + "\n".join(lines))
+        print_rank_last(TIMES_HEADER[option] + "".join(
+            f"\n    {(name + ' ').ljust(48, '.')}: {_timer_values(option, ms, n)}" for name, ms in times.items()))
         if self.args.log_timers_to_tensorboard:
-            self.tb.scalars({f"{name}-time": hi / 1000.0 / n for name, (_, hi) in times.items()}, iteration)
+            self.tb.scalars({f"{name}-time": max(ms) / 1000.0 / n for name, ms in times.items()}, iteration)
+
+
+TIMES_HEADER = {"max": "max time across ranks (ms):", "minmax": "(min, max) time across ranks (ms):",
+                "all": "time on each rank, in rank order (ms):"}
+
+
+def _timer_values(option: str, ms: List[float], n: int) -> str:
+    """A timer's per-iteration ms as --timing-log-option shows them: max, (min, max) or every rank's."""
+    if option == "max":
+        return f"{max(ms) / n:.2f}"
+    if option == "minmax":
+        return f"({min(ms) / n:.2f}, {max(ms) / n:.2f})"
+    return " | ".join(f"{v / n:.2f}" for v in ms)
 
 
 def attention_kernel_line(chunks, backend: str) -> str:

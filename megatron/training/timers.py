@@ -54,6 +54,18 @@ class Timers:
             self.timers[name] = Timer(self.cuda) if level <= self.log_level else self._Null()
         return self.timers[name]
 
+    def per_rank(self, names: List[str], reset: bool = True) -> Dict[str, List[float]]:
+        """Elapsed ms of each timer since the last reset on every rank, in rank order (one
+        all-reduce of a world-long vector per timer: --timing-log-option all)."""
+        names = [n for n in names if isinstance(self.timers.get(n), Timer)]
+        values = [self.timers[n].read(reset) * 1000.0 for n in names]
+        world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+        grid = [0.0] * (world * len(names))  # [world x timers], row-major: this rank fills its row
+        grid[rank * len(names) : (rank + 1) * len(names)] = values
+        if names and world > 1:
+            grid = all_reduce_values(grid, dist.ReduceOp.SUM)
+        return {n: grid[i :: len(names)] for i, n in enumerate(names)}
+
     def min_max(self, names: List[str], reset: bool = True) -> Dict[str, tuple]:
         """Elapsed ms of each timer since the last reset, as (min, max) over all ranks."""
         names = [n for n in names if isinstance(self.timers.get(n), Timer)]

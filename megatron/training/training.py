@@ -266,9 +266,11 @@ def _train_mode(chunks, training: bool) -> None:
 
 
 def evaluate(forward_step_func, data_iterator, state: TrainState, args, pgs, num_iters: int):
+    """The mean losses of `num_iters` forward-only iterations, or None when an exit condition came
+    (checked after each, as Megatron does): the run stops, it does not finish the evaluation."""
     _train_mode(state.model, False)
     LEDGER.enabled = False  # the ledger reports training iterations
-    totals = []
+    totals, stop = [], None
     with torch.no_grad():
         for _ in range(num_iters):
             totals.extend(forward_backward_seq1f1b(
@@ -276,9 +278,13 @@ def evaluate(forward_step_func, data_iterator, state: TrainState, args, pgs, num
                 num_microbatches=args.num_microbatches, seq_length=args.seq_length,
                 micro_batch_size=args.micro_batch_size, forward_only=True, p2p_communicator=state.pipeline,
             ))
+            stop = state.exits.urgent() if state.exits is not None else None
+            if stop:
+                print_rank_0(f"exiting during evaluation {stop}")
+                break
     _train_mode(state.model, True)
     LEDGER.enabled = True
-    return reduce_reports(totals, pgs, state.optimizer.device)
+    return None if stop else reduce_reports(totals, pgs, state.optimizer.device)
 
 
 def evaluate_and_print(name, forward_step_func, data_iterator, state, args, pgs, tb, count_samples):
@@ -287,6 +293,8 @@ def evaluate_and_print(name, forward_step_func, data_iterator, state, args, pgs,
     losses = evaluate(forward_step_func, data_iterator, state, args, pgs, args.eval_iters)
     if args.manual_gc and args.manual_gc_eval:
         gc.collect(generation=0)  # what evaluation made
+    if losses is None:  # stopped part-way: no loss to print, no samples counted (Megatron's)
+        return
     if count_samples:
         state.consumed_valid_samples += args.eval_iters * args.global_batch_size
     # Megatron's wording and names: after training "... on validation set" / "... on test set", and
@@ -500,9 +508,10 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
         train_iter = Replay(train_iter)  # an iteration may run again on the same micro-batches
     print_rank_0(f"> setup done in {time.perf_counter() - start:.1f} s; training ...")
     timers = Timers(args.timing_log_level, args.device_type == "cuda")
-    tb = TensorboardLogger(args.tensorboard_dir)
+    tb = TensorboardLogger(args.tensorboard_dir, args.tensorboard_queue_size)
     try:
-        exited = train(forward_step_func, train_iter, valid_iter, state, args, pgs, timers, tb)
+        exited = False if args.skip_train else train(forward_step_func, train_iter, valid_iter, state, args, pgs,
+                                                     timers, tb)
         if not exited:
             _finish(args, state, pgs, forward_step_func, valid_iter,
                     lambda: build_loader(test_ds, 0, args, pgs, tokenizer.eod), tb)
@@ -516,11 +525,12 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
 
 
 def _finish(args, state, pgs, forward_step_func, valid_iter, test_loader, tb):
-    if args.save and (not args.save_interval or state.iteration % args.save_interval != 0):
+    if args.skip_train:
+        print_rank_0(f"skipping training (--skip-train): evaluating the model of iteration {state.iteration}")
+    elif args.save and (not args.save_interval or state.iteration % args.save_interval != 0):
         save_and_report(args, state, pgs)
-    if args.eval_iters > 0 and valid_iter is not None:
-        if not (args.eval_interval and state.iteration % args.eval_interval == 0):  # not just done
-            evaluate_and_print("validation", forward_step_func, valid_iter, state, args, pgs, tb, False)
+    if args.eval_iters > 0 and valid_iter is not None:  # always, as Megatron's (its sample count allows it)
+        evaluate_and_print("validation", forward_step_func, valid_iter, state, args, pgs, tb, False)
     test_iter = test_loader()
     if args.eval_iters > 0 and test_iter is not None:
         evaluate_and_print("test", forward_step_func, test_iter, state, args, pgs, tb, False)

@@ -222,11 +222,34 @@ def test_a_signal_to_one_rank_saves_stops_every_rank_and_resumes_exactly(runs, t
 
 
 def test_exit_duration_saves_and_stops_after_the_iteration_that_passes_it(runs, tmp_path):
+    """Checked between evaluation iterations too (Megatron's): the evaluation after iteration 1
+    stops after its first of 50, and the run saves and exits."""
     ckpt = str(tmp_path / "ckpt")
-    curve = run_case(BY_NAME["gpt_base"], runs.workdir, ["--save", ckpt, "--exit-duration-in-mins", "0.0001"])
+    curve = run_case(BY_NAME["gpt_base"], runs.workdir, ["--save", ckpt, "--exit-duration-in-mins", "0.0001",
+                                                         "--eval-interval", "1", "--eval-iters", "50"])
     assert sorted(curve) == [1]  # the start-up alone takes longer than 6 ms
+    assert "exiting during evaluation after 0.0001 minutes (--exit-duration-in-mins)" in curve.log
+    assert "validation loss at iteration 1" not in curve.log  # the evaluation was cut, not printed
     assert "exiting program after 0.0001 minutes (--exit-duration-in-mins) at iteration 1" in curve.log
     assert (tmp_path / "ckpt" / TRACKER).read_text() == "1"
+
+
+def test_skip_train_evaluates_the_loaded_model_as_the_end_of_training_did(runs, tmp_path):
+    """Megatron's --skip-train: no iteration, no save; the validation and test losses of the loaded
+    checkpoint, the validation one on the samples the run's own final validation read (it comes
+    after the checkpoint, and always runs, also when an interval evaluation just did)."""
+    ckpt = str(tmp_path / "ckpt")
+    evals = ["--eval-interval", "10", "--eval-iters", "1"]
+    trained = run_case(BY_NAME["gpt_base"], runs.workdir, ["--save", ckpt, "--save-interval", "10", *evals])
+    final = re.search(rf"validation loss at iteration {TRAIN_ITERS} on validation set \| lm loss value: (\S+)",
+                      trained.log)
+    assert final is not None, trained.log[-3000:]
+    before = sorted(os.listdir(ckpt))
+    alone = run_case(BY_NAME["gpt_base"], runs.workdir, ["--load", ckpt, "--save", ckpt, "--skip-train", *evals])
+    assert sorted(alone) == [] and f"evaluating the model of iteration {TRAIN_ITERS}" in alone.log
+    assert f"validation loss at iteration {TRAIN_ITERS} on validation set | lm loss value: {final[1]}" in alone.log
+    assert f"validation loss at iteration {TRAIN_ITERS} on test set" in alone.log
+    assert sorted(os.listdir(ckpt)) == before
 
 
 def test_two_optimizer_instances_save_one_copy_and_resume_exactly(runs, tmp_path):

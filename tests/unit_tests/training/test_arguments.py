@@ -27,7 +27,7 @@ def test_megatron_defaults():
     args = args_for()
     expected = dict(hidden_dropout=0.1, attention_dropout=0.1, init_method_std=0.02, weight_decay=0.01,
                     clip_grad=1.0, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, lr_decay_style="linear",
-                    min_lr=0.0, make_vocab_size_divisible_by=128, log_interval=100, eval_interval=None,
+                    min_lr=0.0, make_vocab_size_divisible_by=128, log_interval=100, eval_interval=1000,
                     eval_iters=100, seed=1234, num_workers=2, norm_epsilon=1e-5, rotary_base=10000,
                     rotary_percent=1.0, position_embedding_type="learned_absolute", normalization="LayerNorm",
                     tensor_model_parallel_size=1, pipeline_model_parallel_size=1, add_bias_linear=True,
@@ -175,6 +175,13 @@ def test_padded_vocab_matches_megatron():
      "--rope-scaling-factor changes nothing without --use-rope-scaling"),
     ("--position-embedding-type rope --original-max-position-embeddings 64", 1,
      "--original-max-position-embeddings changes nothing without --use-rope-scaling or --rope-type yarn"),
+    # the profiler's settings without --profile (or the snapshot's path without the history): nothing runs
+    ("--use-pytorch-profiler --profile-step-start 3", 1, "--use-pytorch-profiler changes nothing without --profile"),
+    ("--profile-ranks 0", 1, "--profile-ranks changes nothing without --profile"),
+    ("--pytorch-profiler-collect-shapes", 1,
+     "--pytorch-profiler-collect-shapes changes nothing without --profile --use-pytorch-profiler"),
+    ("--memory-snapshot-path x.pickle", 1, "--memory-snapshot-path changes nothing without --record-memory-history"),
+    ("--tensorboard-queue-size 0", 1, "--tensorboard-queue-size must be positive, got 0"),
     ("--rotary-base 0", 1, "--rotary-base must be positive, got 0"),
     ("--adam-beta1 1.5 --adam-eps -1 --weight-decay -1 --init-method-std -1", 1,
      "--adam-eps must be positive, got -1.0; --init-method-std must be >= 0, got -1.0; --weight-decay must be >= 0, "

@@ -51,7 +51,10 @@ def _collectives_of_host_values():
         "(MB): 1.0 1.0; Seq1F1B cross-segment state (MB): 0.0 2.0")
     timers = Timers(1, cuda=False)
     timers("x", 0).elapsed_s = 0.001 * (rank + 1)
-    assert timers.min_max(["x"])["x"] == pytest.approx((1.0, 2.0))
+    assert timers.min_max(["x"], reset=False)["x"] == pytest.approx((1.0, 2.0))
+    timers("y", 0).elapsed_s = 0.01 * (rank + 1)
+    each = timers.per_rank(["x", "y"])  # in rank order
+    assert (each["x"], each["y"]) == (pytest.approx([1.0, 2.0]), pytest.approx([10.0, 20.0]))
     assert callers and set(callers) == {"megatron.longseq.collectives"}, callers
 
 

@@ -12,7 +12,7 @@ def _args(**over):
     args = dict(log_interval=3, tensorboard_log_interval=1, timing_log_level=1, log_timers_to_tensorboard=True,
                 log_memory_to_tensorboard=False, log_throughput=False, log_loss_scale_to_tensorboard=False,
                 log_world_size_to_tensorboard=True, train_iters=9, global_batch_size=8, world_size=4,
-                peak_tflops=1.0, attention_backend="auto")
+                peak_tflops=1.0, attention_backend="auto", timing_log_option="minmax")
     return SimpleNamespace(**{**args, **over})
 
 
@@ -91,3 +91,11 @@ def test_the_memory_report_comes_from_every_first_data_parallel_rank(monkeypatch
                              SimpleNamespace(scalars=lambda *a, **k: None))
     _step(rep, _Clock(), 1, at=1.0, loss=1.0, fb_s=0.1)
     assert ("memory after 1" in capsys.readouterr().out) == printed
+
+
+@pytest.mark.parametrize("option, shown", [("max", "4.00"), ("minmax", "(1.00, 4.00)"), ("all", "1.00 | 4.00 | 2.00")])
+def test_timing_log_option_shows_megatrons_three_views(option, shown):
+    """--timing-log-option: each timer's max over the ranks, its (min, max), or every rank's, per
+    iteration (here over 2 iterations)."""
+    assert reporting._timer_values(option, [2.0, 8.0, 4.0], 2) == shown
+    assert reporting.TIMES_HEADER[option].endswith("(ms):")
