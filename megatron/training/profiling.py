@@ -8,14 +8,17 @@ completed ones (Megatron's defaults 10 and 12: the 11th and 12th), on the ranks 
   time on a GPU, are printed as a table -- what the step spends without opening a trace viewer;
 - without it, between cudaProfilerStart and cudaProfilerStop, with NVTX ranges per op, for
   `nsys profile --capture-range=cudaProfilerApi` (CUDA only).
---record-memory-history records the CUDA caching allocator's events from the start of training; the
-last rank writes a snapshot to --memory-snapshot-path after every logged iteration (open it at
-https://pytorch.org/memory_viz: which tensors were live at the peak, and where the free gaps were).
+--record-memory-history records the CUDA caching allocator's events from before the model is built;
+the last rank writes a snapshot to --memory-snapshot-path after every logged iteration (open it at
+https://pytorch.org/memory_viz: which tensors were live at the peak, and where the free gaps were),
+and a rank that runs out of memory writes oom_rank<N>_<name> beside it, as Megatron does.
 """
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -40,6 +43,30 @@ def profile_table(prof, cuda: bool, rows: int = TABLE_ROWS) -> str:
     return "\n".join(lines + [f"| (all {len(events)} ops) | {total / 1e3:.2f} | 100% | |"])
 
 
+def start_memory_history(args) -> None:
+    """--record-memory-history from before the model is built (its weights, gradient buffer and
+    optimizer state are most of the memory, and their stacks are what a reader looks for), and a
+    snapshot when the allocator runs out of memory: a crash in the first iteration leaves one too."""
+    if not args.record_memory_history:
+        return
+    torch.cuda.memory._record_memory_history(max_entries=100000)
+    attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)  # CUDA builds have it
+    if attach is not None:
+        attach(partial(_write_oom_snapshot, oom_snapshot_path(args.memory_snapshot_path, dist.get_rank())))
+
+
+def oom_snapshot_path(path: str, rank: int) -> str:
+    head, tail = os.path.split(path)
+    return os.path.join(head, f"oom_rank{rank}_{tail}")
+
+
+def _write_oom_snapshot(path: str, device, alloc, device_alloc, device_free) -> None:
+    print(f"out of memory on device {device} ({alloc} bytes asked, {device_free} free): "
+          f"allocator snapshot in {path}", flush=True)
+    with open(path, "wb") as f:
+        pickle.dump(torch.cuda.memory._snapshot(), f)
+
+
 class StepProfiler(contextlib.AbstractContextManager):
     """Start and stop around the training loop's steps; closing stops a profile the run did not
     reach the end of (an exit condition, fewer iterations than --profile-step-end), so that what
@@ -53,8 +80,6 @@ class StepProfiler(contextlib.AbstractContextManager):
         self.nvtx = None
         self.window = None  # [first, last] iterations recorded, while and after the profile runs
         self.checked = False
-        if args.record_memory_history:
-            torch.cuda.memory._record_memory_history(max_entries=100000)
 
     def before_step(self, done: int) -> None:
         """`done`: the iterations completed before this step. A run resumed inside the window

@@ -35,7 +35,7 @@ from megatron.training.memo_setup import setup_memo
 from megatron.training.loss_scaler import loss_scaler
 from megatron.training.model import fusions, logits_line, params_dtype, unwrap
 from megatron.training.optimizer import DistributedAdam
-from megatron.training.profiling import StepProfiler
+from megatron.training.profiling import StepProfiler, start_memory_history
 from megatron.training.reporting import Reporter
 from megatron.training.rerun import Injector, Replay, RerunMachine, loss_checks, this_device
 from megatron.training.timers import Timers
@@ -489,6 +489,7 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     if args.load:
         check_load(args, pgs)
     _print_args(args)
+    start_memory_history(args)
     print_rank_0("> building GPT model, gradient buffer, optimizer and LR schedule ...")
     state = setup(args, pgs, model_provider)
     state.exits = exits

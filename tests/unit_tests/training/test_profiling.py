@@ -1,5 +1,6 @@
 """Megatron's --profile flags: which iterations are profiled, what is written, what is refused."""
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -100,3 +101,35 @@ def test_on_cuda_the_table_ranks_ops_by_device_time(tmp_path, capsys):
     # self device time sits on the kernels (the GEMM's own name), not on the aten ops launching them
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and "---" not in line]
     assert "(ops by device time)" in out and len(rows) > 2 and float(rows[1][1]) > 0, out
+
+
+def test_memory_history_starts_before_the_model_and_snapshots_an_out_of_memory(tmp_path, monkeypatch):
+    """--record-memory-history: recording starts at the call (before set-up builds the model, as
+    pretrain makes it), and the out-of-memory observer writes oom_rank<N>_<name> beside the path."""
+    import pickle
+
+    from megatron.training import profiling
+
+    init_single_rank_world()
+    events, observers = [], []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **k: events.append(("record", k)))
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: {"segments": ["at the peak"]})
+    monkeypatch.setattr(torch._C, "_cuda_attach_out_of_memory_observer", observers.append, raising=False)
+    args = SimpleNamespace(record_memory_history=True, memory_snapshot_path=str(tmp_path / "snap.pickle"))
+    profiling.start_memory_history(args)
+    assert events == [("record", {"max_entries": 100000})] and len(observers) == 1
+    observers[0](0, 2**30, 2**34, 2**20)  # what the allocator calls when it cannot serve 1 GiB
+    with open(tmp_path / "oom_rank0_snap.pickle", "rb") as f:
+        assert pickle.load(f) == {"segments": ["at the peak"]}
+    events.clear()
+    profiling.start_memory_history(SimpleNamespace(record_memory_history=False))
+    assert not events
+
+
+def test_pretrain_starts_the_memory_history_before_building_the_model():
+    import inspect
+
+    from megatron.training import training
+
+    source = inspect.getsource(training.pretrain)
+    assert source.index("start_memory_history(args)") < source.index("setup(args, pgs, model_provider)")
