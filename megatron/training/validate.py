@@ -226,6 +226,10 @@ def _context_parallel_args(args, cp):
                 "softmax partials: dropout would need one mask across ranks)")
     require(not args.selective_checkpoint_pp or args.recompute_granularity == "full",
             "--selective-checkpoint-pp needs --recompute-granularity full")
+    # attention dropout at cp 1 runs torch's SDPA (a dropout mask), which keeps no (out, lse)
+    require(not args.selective_checkpoint_pp or cp > 1 or args.attention_dropout == 0.0,
+            "--selective-checkpoint-pp keeps the attention kernel's output and softmax statistics, which "
+            "--attention-dropout > 0 (torch's SDPA) does not give: set --attention-dropout 0")
 
 
 def _batch_args(args):

@@ -113,9 +113,11 @@ def evaluate(work: Workload, cluster: Cluster, hp: int, ring: int, inner: int, p
     kv_heads_after = max(work.kv_heads, hp) if split.kv_repeat > 1 else work.kv_heads
     tokens = work.seq_length / d_sp  # per rank, before the all-to-all
     head_dim = work.hidden / work.heads
-    # computation per micro-step: the balanced causal block is half of (S/d_cp)^2, H/hp heads,
-    # 4 FLOPs per (query, key, channel) for QK^T and PV
-    block = 0.5 * (work.seq_length / ring) ** 2 * (work.heads / hp) * head_dim * 4 * attention_fraction(work, ring)
+    # computation per micro-step: the balanced causal block is half of (S/d_cp)^2 on the slowest
+    # rank's heads (an uneven MHA split gives some ranks one head more), 4 FLOPs per (query, key,
+    # channel) for QK^T and PV
+    heads = max(split.q_counts)
+    block = 0.5 * (work.seq_length / ring) ** 2 * heads * head_dim * 4 * attention_fraction(work, ring)
     t_fwd = block / (cluster.attention_tflops * 1e12)
     t_bwd = 3 * t_fwd
     kv_bytes = 2 * (kv_heads_after / work.heads) * tokens * work.hidden * work.bytes_per_element
@@ -124,7 +126,10 @@ def evaluate(work: Workload, cluster: Cluster, hp: int, ring: int, inner: int, p
     outer_steps = ring // inner
     step_b_fwd = max(t_fwd, t_out) if outer_steps > 1 else t_fwd
     step_b_bwd = max(t_bwd, 3 * t_out) if outer_steps > 1 else t_bwd
-    t_ring = ((max(t_fwd, t_in) * (inner - 1) + step_b_fwd) + (max(t_bwd, 3 * t_in) * (inner - 1) + step_b_bwd)) * outer_steps
+    inner_fwd, inner_bwd = max(t_fwd, t_in) * (inner - 1), max(t_bwd, 3 * t_in) * (inner - 1)
+    # A (w - 1) + B per outer step (section 4.5.3); the forward's last outer step sends nothing on
+    fwd = (inner_fwd + step_b_fwd) * (outer_steps - 1) + inner_fwd + t_fwd
+    t_ring = fwd + (inner_bwd + step_b_bwd) * outer_steps
     t_a2a = 0.0
     if hp > 1:
         q_bytes = tokens * work.hidden * work.bytes_per_element

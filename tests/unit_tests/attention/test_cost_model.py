@@ -86,3 +86,25 @@ def test_document_balance_table_ours_within_ten_percent_megatrons_chunks_not(cap
 def test_document_balance_needs_its_lengths():
     with pytest.raises(SystemExit):
         plan_context_parallel.main("--document-balance --seq-length 4096 --context-parallel-size 8".split())
+
+
+FAST_NET = Cluster(gpus_per_node=8, nics_per_node=8, intra_gbps=1e9, nic_gbps=1e9, attention_tflops=300)
+NETWORK_BOUND = Cluster(gpus_per_node=8, nics_per_node=4, intra_gbps=300, nic_gbps=5, attention_tflops=1e9)
+
+
+def test_an_uneven_head_split_is_timed_on_its_slowest_rank():
+    """12 MHA heads over hp 8 put 2 heads on four ranks: a step takes as long as 16 heads over 8
+    (2 each, the same head size), not 12 / 8 = 1.5 heads' worth."""
+    uneven = evaluate(Workload(65536, 12 * 128, 12, 12), FAST_NET, hp=8, ring=2, inner=2, placement="head-first")
+    even = evaluate(Workload(65536, 16 * 128, 16, 16), FAST_NET, hp=8, ring=2, inner=2, placement="head-first")
+    assert uneven.t_ring == pytest.approx(even.t_ring, rel=1e-6)
+
+
+def test_the_forward_sends_one_transfer_fewer_than_its_steps():
+    """Section 4.5.3: the forward's last step sends nothing on, so a ring of 4 single-GPU outer
+    steps (inner 1) costs the plain ring of 4 (inner 4) in the forward: 3 transfers each; the
+    backward, with gradients, 3 per step: 12 against 9. Transfers alone (compute ~0): 15 / 12."""
+    work = Workload(32768, 4096, 32, 32)
+    outer = evaluate(work, NETWORK_BOUND, hp=1, ring=4, inner=1, placement="head-first")
+    plain = evaluate(work, NETWORK_BOUND, hp=1, ring=4, inner=4, placement="head-first")
+    assert outer.t_ring / plain.t_ring == pytest.approx(15 / 12, rel=1e-3)

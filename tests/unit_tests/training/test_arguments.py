@@ -182,6 +182,9 @@ def test_padded_vocab_matches_megatron():
      "--pytorch-profiler-collect-shapes changes nothing without --profile --use-pytorch-profiler"),
     ("--memory-snapshot-path x.pickle", 1, "--memory-snapshot-path changes nothing without --record-memory-history"),
     ("--tensorboard-queue-size 0", 1, "--tensorboard-queue-size must be positive, got 0"),
+    ("--recompute-granularity full --recompute-method uniform --selective-checkpoint-pp --attention-dropout 0.1", 1,
+     "--selective-checkpoint-pp keeps the attention kernel's output and softmax statistics, which "
+     "--attention-dropout > 0 (torch's SDPA) does not give"),
     ("--rotary-base 0", 1, "--rotary-base must be positive, got 0"),
     ("--adam-beta1 1.5 --adam-eps -1 --weight-decay -1 --init-method-std -1", 1,
      "--adam-eps must be positive, got -1.0; --init-method-std must be >= 0, got -1.0; --weight-decay must be >= 0, "
