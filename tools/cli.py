@@ -4,6 +4,7 @@ and a wrapper that makes a refusal found later (a file's content, a plan) that s
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from typing import Callable, Optional, Sequence, Tuple, Type
@@ -32,7 +33,7 @@ def _bounded(kind: type, ok: Callable[[float], bool], words: str) -> Callable[[s
 
 
 positive_int = _bounded(int, lambda v: v > 0, "positive")
-positive_float = _bounded(float, lambda v: v > 0, "positive")
+positive_float = _bounded(float, lambda v: 0 < v < math.inf, "positive and finite")
 nonnegative_int = _bounded(int, lambda v: v >= 0, "non-negative")
 nonnegative_float = _bounded(float, lambda v: v >= 0, "non-negative")
 

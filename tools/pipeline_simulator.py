@@ -75,7 +75,10 @@ def packed(p, m, k, seq, layers, hidden, mean: float, seed: int = 0):
 
 
 def paper_table() -> str:
-    rows = ["| model | seq | PP | micro-batches | 1F1B | 1F1B-I | Seq1F1B w/o cwp | Seq1F1B | Seq1F1B-I |",
+    rows = ["Bubble ratio (idle share of each stage's time, 0-1) simulated for Table 1's settings: Seq1F1B "
+            "with k = 4 segments, interleaving with v = 2 chunks, backward = 2 x forward, Eq. 8 costs, no link "
+            "latency (the paper prints no such table; its Tables 2-5 measure other micro-batch counts).",
+            "| model | seq | PP | micro-batches | 1F1B | 1F1B-I | Seq1F1B w/o cwp | Seq1F1B | Seq1F1B-I |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, layers, hidden, seqs, p, mbs in PAPER:
         for seq in seqs:

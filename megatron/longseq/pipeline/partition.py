@@ -66,9 +66,15 @@ def _lengths_for_cost(target: float, k: int, dense: float, attn: float) -> List[
 
 def uniform_comp(seq_length: int, k: int, num_params: int, num_layers: int, hidden: int,
                  granularity: int = 1) -> List[int]:
-    """Segments of equal Eq.-8 FLOPs, rounded to the granularity."""
+    """Segments of equal Eq.-8 FLOPs (Eq. 7) as boundaries on granules allow: the costliest
+    segment as cheap as it can be. The exact lengths' common cost is a lower bound and rounding
+    them gives a feasible bound; a bisection between the two with the greedy partition (each
+    segment as long as the bound allows) finds the best. Rounding each boundary on its own could
+    move two neighbours apart by a granule: 10% over the optimum at 4K tokens in 8 segments."""
     granules = _check(seq_length, k, granularity)
     dense, attn = 2.0 * num_params, 2.0 * num_layers * hidden
+    if attn == 0:  # no attention term: every token costs the same
+        return average(seq_length, k, granularity)
     lo, hi = 0.0, dense * seq_length + attn * seq_length * seq_length  # costs of no / all tokens
     for _ in range(200):
         mid = (lo + hi) / 2
@@ -76,15 +82,43 @@ def uniform_comp(seq_length: int, k: int, num_params: int, num_layers: int, hidd
             lo = mid
         else:
             hi = mid
-    exact = _lengths_for_cost(hi, k, dense, attn)
-    # Round the boundaries (in granules), keeping every segment at least one granule long.
-    bounds, acc = [0], 0.0
+    best = _rounded(_lengths_for_cost(hi, k, dense, attn), granularity, granules)
+    top = max(segment_flops(best, num_params, num_layers, hidden))
+    while top - lo > 1e-12 * top:
+        mid = (lo + top) / 2
+        found = _greedy_on_granules(mid, k, seq_length, granularity, dense, attn)
+        lo, top, best = (lo, mid, found) if found else (mid, top, best)
+    return best
+
+
+def _rounded(exact: List[float], granularity: int, granules: int) -> List[int]:
+    """The exact lengths' boundaries rounded to granules, every segment at least one long."""
+    bounds, acc, k = [0], 0.0, len(exact)
     for i, n in enumerate(exact[:-1]):
         acc += n
         b = round(acc / granularity)
         bounds.append(min(max(b, bounds[-1] + 1), granules - (k - 1 - i)))
     bounds.append(granules)
     return [(b - a) * granularity for a, b in zip(bounds, bounds[1:])]
+
+
+def _greedy_on_granules(bound: float, k: int, seq_length: int, g: int, dense: float, attn: float):
+    """k segment lengths (granule multiples) each costing at most `bound` under Eq. 8, each as long
+    as it may be while leaving a granule to every later one; None when they do not reach the end."""
+    cost = lambda a, b: dense * (b - a) + attn * (b - a) * b  # noqa: E731  (segment [a, b) of one sequence)
+    lengths, a = [], 0
+    for i in range(k):
+        last = seq_length - (k - 1 - i) * g
+        # the largest b with attn b^2 + (dense - attn a) b - (dense a + bound) <= 0, on granules
+        lin = dense - attn * a
+        b = min(last, int((-lin + math.sqrt(lin * lin + 4 * attn * (dense * a + bound))) / (2 * attn)) // g * g)
+        while b > a and cost(a, b) > bound:  # the root's rounding
+            b -= g
+        if b <= a or (i == k - 1 and b < seq_length):
+            return None
+        lengths.append(b - a)
+        a = b
+    return lengths
 
 
 def segment_flops(lengths: List[int], num_params: int, num_layers: int, hidden: int) -> List[float]:

@@ -31,6 +31,29 @@ def test_uniform_comp_equalises_eq8_flops(seq, k, gran):
     assert spread <= max(2.5 * gran * k / seq, 1e-6) + 1e-9 and spread <= avg_spread
 
 
+@pytest.mark.parametrize("trial", range(12))
+def test_uniform_comp_is_the_cheapest_costliest_segment_on_granules(trial):
+    """Against every partition on granules (brute force), and on the cases where rounding each
+    boundary on its own put a longer segment after a shorter one and lost to `average`."""
+    g = torch.Generator().manual_seed(100 + trial)
+    gran, k, seq = (1, 2, 4)[trial % 3], 2 + trial % 3, 48
+    params, layers, hidden = (int(torch.randint(1, 400, (1,), generator=g)) for _ in range(3))
+    lengths = uniform_comp(seq, k, params, layers, hidden, gran)
+    assert sum(lengths) == seq and all(n > 0 and n % gran == 0 for n in lengths)
+    best = min(max(segment_flops([(b - a) * gran for a, b in zip((0, *cuts), (*cuts, seq // gran))],
+                                 params, layers, hidden))
+               for cuts in itertools.combinations(range(1, seq // gran), k - 1))
+    assert max(segment_flops(lengths, params, layers, hidden)) == pytest.approx(best, rel=1e-9)
+
+
+def test_uniform_comp_never_loses_to_average():
+    gpt = dict(num_params=12 * 32 * 4096**2 + 50257 * 4096, num_layers=32, hidden=4096)
+    lengths = uniform_comp(4096, 8, granularity=64, **gpt)
+    assert lengths == [512] * 8  # rounding boundaries one by one gave [512, 512, 576, 512, 512, 448, 512, 512]
+    assert uniform_comp(16, 3, **LLAMA_7B) == [6, 5, 5]  # was [5, 6, 5]
+    assert uniform_comp(131072, 4, 7_000_000_000, 0, 4096) == average(131072, 4)  # no attention term
+
+
 def test_long_sequences_shift_tokens_towards_early_segments():
     # At 128K attention dominates, so the first of 4 segments is much longer than the last.
     lengths = uniform_comp(131072, 4, **LLAMA_7B)
