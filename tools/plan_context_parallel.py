@@ -94,6 +94,8 @@ def _planning_refusal(args):
     heads, groups, cp = args.num_attention_heads, args.num_query_groups, args.context_parallel_size[0]
     if groups is not None and heads % groups:
         return f"--num-query-groups {groups} does not divide --num-attention-heads {heads}"
+    if args.hidden_size % heads:  # the trainer's rule without --kv-channels: head size = hidden / heads
+        return f"--num-attention-heads {heads} does not divide --hidden-size {args.hidden_size}"
     granularity = 2 * cp if cp > 1 else 1  # the load-balanced ring's two chunks per position, as the trainer's
     if args.seq_length % granularity:
         return f"--seq-length {args.seq_length} is not divisible by 2 x --context-parallel-size {cp}"

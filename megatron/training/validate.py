@@ -218,9 +218,9 @@ def _head_parallel_split(args, tp):
 
 
 def _context_parallel_args(args, cp):
-    require(args.seq_length % (2 * cp) == 0,
-            f"--seq-length {args.seq_length} is not divisible by 2 x --context-parallel-size {cp} = {2 * cp}")
-    if cp > 1:
+    if cp > 1:  # each rank holds two of the 2 x cp chunks; one rank takes the sequence whole
+        require(args.seq_length % (2 * cp) == 0,
+                f"--seq-length {args.seq_length} is not divisible by 2 x --context-parallel-size {cp} = {2 * cp}")
         require(args.attention_dropout == 0.0,
                 "--attention-dropout must be 0 with --context-parallel-size > 1 (ring attention merges "
                 "softmax partials: dropout would need one mask across ranks)")

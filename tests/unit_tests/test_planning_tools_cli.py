@@ -63,6 +63,8 @@ BAD = [  # (tool, argv, the error line's text after "error: "); "{tmp}" is a tem
                              "--context-parallel-size", "8"], "argument --seq-length: must be positive, got 0"),
     (plan_context_parallel, PLAN + ["--num-query-groups", "0", "--context-parallel-size", "8"],
      "argument --num-query-groups: must be positive, got 0"),
+    (plan_context_parallel, ["--seq-length", "4096", "--hidden-size", "100", "--num-attention-heads", "3",
+                             "--context-parallel-size", "2"], "--num-attention-heads 3 does not divide --hidden-size 100"),
     (plan_context_parallel, PLAN + ["--num-query-groups", "5", "--context-parallel-size", "8"],
      "--num-query-groups 5 does not divide --num-attention-heads 32"),
     (plan_context_parallel, ["--seq-length", "1000", "--hidden-size", "4096", "--num-attention-heads", "32",

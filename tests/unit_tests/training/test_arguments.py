@@ -410,6 +410,16 @@ def test_transformer_engine_layers_need_transformer_engine(monkeypatch):
     assert "--transformer-impl transformer_engine needs Transformer Engine installed" in message
 
 
+def test_one_context_parallel_rank_takes_a_sequence_of_any_length():
+    """Megatron's rule: 2 x cp chunks only when cp > 1 (33 tokens train on one rank and with
+    Seq1F1B segments of 17 and 16; cp 2 still needs a multiple of 4)."""
+    assert args_for("--seq-length 33 --max-position-embeddings 64").seq_length == 33
+    assert args_for("--seq-length 33 --max-position-embeddings 64 --pipeline-model-parallel-size 2 "
+                    "--num-layers 4 --pipe-sp-splits 2 --attention-dropout 0", 2).segment_lengths == [17, 16]
+    assert "--seq-length 34 is not divisible by 2 x --context-parallel-size 2 = 4" in error_of(
+        "--seq-length 34 --max-position-embeddings 64 --context-parallel-size 2", 2)
+
+
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID",
                "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS")
 BATCH_SCRIPT = {"SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}  # sbatch's own shell
