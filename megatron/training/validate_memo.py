@@ -39,8 +39,9 @@ def _planned_allocator_args(args):
 
     require(args.device_type == "cuda", "--memo-allocator planned needs a CUDA device: it replaces torch's CUDA "
                                         "caching allocator (on CPU, plan offline with tools/plan_memory.py)")
-    require(not args.record_memory_history, "--record-memory-history records torch's caching allocator, which "
-                                             "--memo-allocator planned replaces (a pluggable allocator keeps no history)")
+    require(not args.record_memory_history,
+            "--record-memory-history records torch's caching allocator, which "
+            "--memo-allocator planned replaces (a pluggable allocator keeps no history)")
     problem = build_problem()
     require(problem is None, f"--memo-allocator planned: {problem}")
 
