@@ -26,7 +26,6 @@ class Trace:
     events: List[Event] = field(default_factory=list)
     planned_for: Optional[dict] = None  # the settings of the run traced, passed on to its plan
 
-
     def mark(self, label: str) -> None:
         self.events.append(("mark", label, 0))
 
