@@ -161,7 +161,8 @@ class Memo:
         self.pool = HostPool(blocks, block_bytes, pin=self.cuda)
 
     def calibrate(self, run: Callable[[], None]) -> List[LayerSizes]:
-        """Measure with `run`, then allocate for the current alpha (no LP: tests and tools)."""
+        """Measure with `run`, then allocate for the current alpha (no LP: for tests; the trainer and
+        tools/plan_memory.py size alpha with memo_setup.choose_alpha)."""
         sizes = self.measure(run)
         if sizes:  # a pipeline stage may manage no layer
             self.allocate(max(s.buffer_bytes for s in sizes), self.peak_live,
