@@ -47,9 +47,6 @@ UNSUPPORTED = {
     "--optimizer-cpu-offload": "optimizer CPU offload is not implemented (MEMO offloads activations: --memo)",
     "--full-validation": "validation reads --eval-iters batches (a pass over the whole set is not implemented)",
     "--multiple-validation-sets": "one validation set (the --split share of --data-path) is read",
-    "--train-data-path": "separate corpora per split are not implemented: one --data-path, cut by --split",
-    "--valid-data-path": "separate corpora per split are not implemented: one --data-path, cut by --split",
-    "--test-data-path": "separate corpora per split are not implemented: one --data-path, cut by --split",
     "--log-straggler": "straggler detection is not implemented (--timing-log-level 1 prints each timer's "
                        "min and max over the ranks)",
     "--nvtx-ranges": "NVTX ranges per op come with --profile (without --use-pytorch-profiler), not per module",
@@ -234,6 +231,9 @@ def _data(p):
                    help="the key lies in this first fraction of the sequence (1: anywhere before the query)")
     g.add_argument("--data-path", nargs="*", default=None)
     g.add_argument("--split", type=str, default=None)
+    for name in ("train", "valid", "test"):
+        g.add_argument(f"--{name}-data-path", nargs="*", default=None,
+                       help=f"the {name} split's own corpus ('prefix ...' or 'weight prefix ...'), instead of --data-path")
     g.add_argument("--data-cache-path", type=str, default=None)
     g.add_argument("--tokenizer-type", choices=["NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer"],
                    default="GPT2BPETokenizer")

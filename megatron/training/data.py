@@ -31,11 +31,13 @@ def train_valid_test_num_samples(args):
 def build_datasets(args, tokenizer, num_samples):
     if getattr(args, "passkey_data", False):
         return build_passkey_datasets(args, num_samples)
+    per_split = _blend_per_split(args, num_samples)
     config = GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,
         blend=get_blend_from_list(args.data_path) if args.data_path else None,
-        split=args.split,
+        blend_per_split=per_split,
+        split=None if per_split else args.split,
         path_to_cache=args.data_cache_path,
         mmap_bin_files=args.mmap_bin_files,
         tokenizer=tokenizer,
@@ -49,10 +51,19 @@ def build_datasets(args, tokenizer, num_samples):
     # A split no evaluation reads is not built (its share of the documents stays out of training):
     # megatron-core would loop forever on one that received no documents.
     for i in (1, 2):
-        if not num_samples[i]:
+        if not num_samples[i] and not per_split:
             config.split_matrix[i] = None
     cls = MockGPTDataset if args.mock_data else GPTDataset
     return BlendedMegatronDatasetBuilder(cls, num_samples, lambda: True, config).build()
+
+
+def _blend_per_split(args, num_samples) -> Optional[list]:
+    """Megatron's --train/valid/test-data-path as megatron-core's blend_per_split (None without
+    them): a split no evaluation reads is not built, as with --split."""
+    paths = [getattr(args, f"{name}_data_path", None) for name in ("train", "valid", "test")]
+    if not any(paths):
+        return None
+    return [get_blend_from_list(path) if path and n else None for path, n in zip(paths, num_samples)]
 
 
 class PretrainingSampler:

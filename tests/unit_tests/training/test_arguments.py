@@ -6,6 +6,7 @@ import torch
 
 from megatron.training.arguments import ArgsError, parse_args
 from megatron.training.validate import padded_vocab_size, validate_args
+from tools import preprocess_data
 
 BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --micro-batch-size 2 "
         "--train-iters 10 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 100").split()
@@ -197,7 +198,10 @@ def test_padded_vocab_matches_megatron():
      "--ffn-hidden-size 65 is not divisible by --tensor-model-parallel-size 2"),
     ("--ckpt-convert-format torch --ckpt-convert-save x --load /no/such/checkpoint", 1,
      "--ckpt-convert-format: no checkpoint directory /no/such/checkpoint"),
-    ("--data-path /nonexistent/corpus", 1, "give exactly one of --mock-data, --passkey-data and --data-path"),
+    ("--data-path /nonexistent/corpus", 1,
+     "give exactly one of --mock-data, --passkey-data, --data-path and --train/valid/test-data-path"),
+    ("--train-data-path /nonexistent/corpus", 1,
+     "give exactly one of --mock-data, --passkey-data, --data-path and --train/valid/test-data-path"),
     ("--memo --hidden-dropout 0 --memo-swap-fraction 1.5", 1, "--memo-swap-fraction must be in [0, 1], got 1.5"),
     ("--memo --hidden-dropout 0 --memo-swap-fraction half", 1, "--memo-swap-fraction must be 'auto' or a number"),
     ("--memo", 1, "--memo needs --hidden-dropout 0"),
@@ -277,6 +281,32 @@ def test_unreadable_data_path(tmp_path):
         (tmp_path / "corpus.idx").write_bytes(b"")
         os.chmod(tmp_path / "corpus.idx", 0)
         assert "cannot read" in error_of(f"--data-path {tmp_path}/corpus", base=base)
+
+
+def test_per_split_corpora_are_checked_before_any_work(tmp_path):
+    """Megatron's --train/valid/test-data-path: every corpus readable and not empty, no --split
+    (megatron-core asserts on the pair), and a training corpus unless nothing trains."""
+    base = [a for a in BASE if a != "--mock-data"]
+    (tmp_path / "docs.jsonl").write_text('{"text": "1 2 3"}\n')
+    preprocess_data.main(["--input", str(tmp_path / "docs.jsonl"), "--output-prefix", str(tmp_path / "a"),
+                          "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--append-eod"])
+    (tmp_path / "empty.jsonl").write_text("")
+    preprocess_data.main(["--input", str(tmp_path / "empty.jsonl"), "--output-prefix", str(tmp_path / "e"),
+                          "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"])
+    good, empty = f"{tmp_path}/a_text_document", f"{tmp_path}/e_text_document"
+    args = args_for(f"--train-data-path {good} --valid-data-path 1 {good} 2 {good}", base=base)
+    assert args.split is None and args.data_path is None
+    assert error_of(f"--train-data-path {good} --split 99,1,0", base=base) == (
+        "--split '99,1,0' cuts --data-path, but each split has its own corpus with --train/valid/test-data-path: "
+        "drop --split")
+    assert error_of(f"--valid-data-path {good}", base=base) == (
+        "--valid/test-data-path need --train-data-path (or --skip-train)")
+    args_for(f"--valid-data-path {good} --skip-train", base=base)
+    assert error_of(f"--train-data-path {good} --test-data-path 0.5 {tmp_path}/x 0.5", base=base) == (
+        f"--test-data-path with weights needs pairs 'weight prefix', got ['0.5', '{tmp_path}/x', '0.5']")
+    assert error_of(f"--train-data-path {good} --test-data-path {tmp_path}/x", base=base) == (
+        f"--test-data-path: cannot read {tmp_path}/x.bin; --test-data-path: cannot read {tmp_path}/x.idx")
+    assert error_of(f"--train-data-path {empty}", base=base) == f"--train-data-path: {empty} holds no documents"
 
 
 def test_a_saved_plan_of_another_format_is_refused(tmp_path):

@@ -268,3 +268,40 @@ def test_a_weighted_blend_of_corpora_reaches_the_batch(corpus, tmp_path, packed)
     per_token = {"tokens", "labels", "loss_mask", "position_ids"}
     assert set(batch) == per_token | ({DOCUMENT_STARTS} if packed else set())
     assert all(batch[k].shape == (args.micro_batch_size, 16) for k in per_token)
+
+
+def test_each_split_reads_its_own_corpus(tmp_path):
+    """--train-data-path A --valid-data-path B: training samples come from A only, validation
+    samples from B only (megatron-core's blend_per_split), and a split given no corpus, or one no
+    evaluation reads, is not built."""
+    from megatron.core.tokenizers import MegatronTokenizer
+    from tests.unit_tests.dist_utils import init_single_rank_world
+    from tests.unit_tests.model_utils import tiny_args
+
+    init_single_rank_world()  # megatron-core's builder asks for the rank
+    rng = random.Random(0)
+    prefixes = {}
+    for name, (lo, hi) in {"a": (1, 50), "b": (50, 99)}.items():  # disjoint token ids: the source shows
+        lines = [json.dumps({"text": " ".join(str(rng.randrange(lo, hi)) for _ in range(rng.randint(3, 30)))})
+                 for _ in range(40)]
+        (tmp_path / f"{name}.jsonl").write_text("\n".join(lines))
+        preprocess_data.main(["--input", str(tmp_path / f"{name}.jsonl"), "--output-prefix", str(tmp_path / name),
+                              "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--append-eod"])
+        prefixes[name] = str(tmp_path / f"{name}_text_document")
+    tok = MegatronTokenizer.from_pretrained(metadata_path={"library": "null"}, vocab_size=100)
+    args = tiny_args("--seq-length 16")
+    args.mock_data, args.split, args.data_cache_path = False, None, None
+    args.train_data_path, args.valid_data_path = [prefixes["a"]], [prefixes["b"]]
+
+    def ids(dataset):
+        tokens = torch.cat([torch.as_tensor(dataset[i]["tokens"]) for i in range(len(dataset))])
+        return set(tokens.tolist()) - {100}  # less the EOD
+
+    train, valid, test = build_datasets(args, tok, [8, 4, 4])
+    assert len(train) >= 8 and len(valid) >= 4 and test is None  # whole epochs: at least what was asked
+    assert max(ids(train)) < 50 <= min(ids(valid))
+    assert build_datasets(args, tok, [8, 0, 0])[1] is None  # --eval-iters 0: B is not read
+    # A's training samples are those of --data-path A --split 100,0,0, in the same order
+    args.train_data_path, args.valid_data_path, args.data_path, args.split = None, None, [prefixes["a"]], "100,0,0"
+    whole = build_datasets(args, tok, [8, 0, 0])[0]
+    assert all(torch.equal(torch.as_tensor(whole[i]["tokens"]), torch.as_tensor(train[i]["tokens"])) for i in range(8))
