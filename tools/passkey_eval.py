@@ -80,8 +80,17 @@ def check_model(p: argparse.ArgumentParser, row: List[str], vocab_size: int) -> 
     if vocab_size > config.vocab_size:
         p.error(f"--model {label!r}: --vocab-size {vocab_size} is larger than the model's vocabulary "
                 f"({config.vocab_size}): the filler ids would be outside it")
+    if type(config) not in transformers_causal_lms():
+        p.error(f"--model {label!r}: {directory} holds a {config.model_type} model, not a causal language model")
     if len(row) == 3 and not getattr(config, "rope_parameters", None):
         p.error(f"--model {label!r}: the model has no RoPE parameters to change")
+
+
+def transformers_causal_lms():
+    """The configurations AutoModelForCausalLM can build a model from."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING
 
 
 def read_config(p: argparse.ArgumentParser, label: str, directory: str):
@@ -149,11 +158,16 @@ def score(model, data: PasskeyDataset, batch: int) -> Tuple[float, float]:
     return hits / len(data), loss / len(data)
 
 
+def percent(accuracy: float) -> str:
+    """Whole percent rounded down: 255 of 256 retrieved is 99%, never 100%."""
+    return f"{math.floor(100 * accuracy + 1e-9):.0f}%"  # 1e-9: 0.29 * 100 is 28.999999999999996
+
+
 def table(rows: List[Tuple[str, List[Tuple[float, float]]]], lengths: List[int]) -> str:
     """Markdown: a row per model, a column per length, cells "retrieved % (answer loss)"."""
     head = "| model | " + " | ".join(f"{n} tokens" for n in lengths) + " |"
     rule = "|---|" + "---:|" * len(lengths)
-    body = ["| " + label + " | " + " | ".join(f"{100 * acc:.0f}% ({loss:.2f})" for acc, loss in cells) + " |"
+    body = ["| " + label + " | " + " | ".join(f"{percent(acc)} ({loss:.2f})" for acc, loss in cells) + " |"
             for label, cells in rows]
     return "\n".join([head, rule] + body)
 
@@ -165,7 +179,7 @@ def evaluate(argv=None) -> int:
         model = load_row(label, directory, *change)
         cells = [score(model, samples_at(args, n), args.batch) for n in args.lengths]
         rows.append((label, cells))
-        print(f"{label}: " + ", ".join(f"{n}: {100 * a:.0f}% / {l:.3f}" for n, (a, l) in zip(args.lengths, cells)),
+        print(f"{label}: " + ", ".join(f"{n}: {percent(a)} / {l:.3f}" for n, (a, l) in zip(args.lengths, cells)),
               flush=True)
     print(f"\nretrieved (answer loss, nats per key token; chance {CHANCE_LOSS:.2f}), "
           f"{args.samples} samples per length\n")

@@ -30,6 +30,8 @@ class PasskeyDataset(torch.utils.data.Dataset):
                  depth: float = 0.25):
         if vocab_size <= FILLER_START + 10:
             raise ValueError(f"passkey data needs a vocabulary size > {FILLER_START + 10}, got {vocab_size}")
+        if key_length < 1:  # no key: an all-zero loss mask, a loss of 0 that says nothing
+            raise ValueError(f"a passkey needs at least one token, got a key length of {key_length}")
         if seq_length < 8 * (key_length + 2):
             raise ValueError(f"a sequence length of {seq_length} is too short for a key of {key_length} tokens "
                              f"(at least {8 * (key_length + 2)} needed)")

@@ -433,6 +433,7 @@ def _data_args(args):
     if args.passkey_data:
         require(args.tokenizer_type == "NullTokenizer", "--passkey-data needs --tokenizer-type NullTokenizer")
         require((args.vocab_size or 0) > 30, f"--passkey-data needs --vocab-size > 30, got {args.vocab_size}")
+        require(args.passkey_length >= 1, f"--passkey-length must be >= 1, got {args.passkey_length}")
         require(args.seq_length >= 8 * (args.passkey_length + 2),
                 f"--seq-length {args.seq_length} is too short for --passkey-length {args.passkey_length}")
         require(0 < args.passkey_depth <= 1, f"--passkey-depth must be in (0, 1], got {args.passkey_depth}")

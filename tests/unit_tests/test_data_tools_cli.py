@@ -201,6 +201,17 @@ def test_passkey_eval_wants_an_hf_export(model_dir, tmp_path, capsys):
     (tmp_path / "odd" / "config.json").write_text(json.dumps({"hidden_size": 8}))
     line = refused(capsys, passkey_eval.main, eval_argv(model_dir, model=["--model", "o", str(tmp_path / "odd")]))
     assert line.startswith(f"{PROG}: error: --model 'o': cannot read {tmp_path / 'odd' / 'config.json'}: ")
+    import transformers
+
+    transformers.T5Config(vocab_size=VOCAB).save_pretrained(tmp_path / "t5")  # an encoder-decoder: refused up front
+    line = refused(capsys, passkey_eval.main, eval_argv(model_dir, model=["--model", "m", model_dir,
+                                                                          "--model", "t", str(tmp_path / "t5")]))
+    assert line == f"{PROG}: error: --model 't': {tmp_path / 't5'} holds a t5 model, not a causal language model"
+
+
+def test_passkey_accuracy_is_never_rounded_up_to_a_perfect_score():
+    assert [passkey_eval.percent(a) for a in (255 / 256, 1.0, 0.29, 1 / 256, 0.0)] == ["99%", "100%", "29%", "0%", "0%"]
+    assert passkey_eval.table([("m", [(255 / 256, 0.1)])], [64]).splitlines()[-1] == "| m | 99% (0.10) |"
 
 
 class _Oracle(torch.nn.Module):

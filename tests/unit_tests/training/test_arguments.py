@@ -383,6 +383,8 @@ def test_passkey_depth_is_a_fraction():
     base = [a if a != "--mock-data" else "--passkey-data" for a in BASE]
     assert args_for("--passkey-depth 1", base=base).passkey_depth == 1.0
     assert "--passkey-depth must be in (0, 1], got 1.5" in error_of("--passkey-depth 1.5", base=base)
+    for length in (0, -1):  # no key: a loss mask of zeros, a loss of 0 that looks perfect
+        assert error_of(f"--passkey-length {length}", base=base) == f"--passkey-length must be >= 1, got {length}"
 
 
 @pytest.mark.parametrize("rank, printed, waited", [("0", True, False), ("1", False, True)])

@@ -166,6 +166,14 @@ def test_passkey_samples_hide_the_key_early_and_ask_for_it_last():
 
 
 
+def test_a_passkey_has_at_least_one_token():
+    from megatron.training.passkey import PasskeyDataset
+
+    for n in (0, -1):
+        with pytest.raises(ValueError, match=f"a passkey needs at least one token, got a key length of {n}"):
+            PasskeyDataset(4, 64, 100, key_length=n)
+
+
 def test_passkey_depth_one_puts_the_key_anywhere_before_the_query():
     from megatron.training.passkey import KEY_START, PasskeyDataset
 
