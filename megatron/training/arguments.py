@@ -351,6 +351,8 @@ def _checkpoint_and_logging(p):
     g.add_argument("--log-params-norm", action="store_true")
     g.add_argument("--log-num-zeros-in-grad", action="store_true")
     g.add_argument("--log-memory-to-tensorboard", action="store_true")
+    g.add_argument("--log-memory-interval", type=int, default=None,
+                   help="print the memory line every this many iterations too (a multiple of --log-interval)")
     g.add_argument("--log-timers-to-tensorboard", action="store_true")
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
     g.add_argument("--no-log-loss-scale-to-tensorboard", action="store_false", dest="log_loss_scale_to_tensorboard",

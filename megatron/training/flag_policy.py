@@ -29,6 +29,11 @@ UNSUPPORTED = {
     "--multiple-validation-sets": "one validation set (the --split share of --data-path) is read",
     "--log-straggler": "straggler detection is not implemented (--timing-log-level 1 prints each timer's "
                        "min and max over the ranks)",
+    "--log-progress": "progress.txt (tokens and FLOPs so far) is not written: the iteration line has both rates",
+    "--log-energy": "energy is not measured",
+    "--log-device-memory-used": "the driver's device memory figure is not logged (the memory line has the "
+                                "allocator's, --log-memory-to-tensorboard writes them)",
+    "--log-max-attention-logit": "the largest attention logit is not logged (the kernels never hold the scores)",
     "--nvtx-ranges": "NVTX ranges per op come with --profile (without --use-pytorch-profiler), not per module",
 }
 

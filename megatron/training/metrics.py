@@ -43,10 +43,10 @@ class IntervalStats:
     def add(self, loss_dict: Dict[str, float], skipped: bool) -> None:
         self.iterations += 1
         self.skipped += int(skipped)
-        for key, value in loss_dict.items():
-            if not math.isfinite(value):
-                self.nan += 1
-            if not skipped:  # the interval's mean is over the steps that updated the model (Megatron)
+        # Megatron's count: skipped iterations whose loss was not finite, once each however many keys
+        self.nan += int(skipped and not all(math.isfinite(v) for v in loss_dict.values()))
+        if not skipped:  # the interval's mean is over the steps that updated the model (Megatron)
+            for key, value in loss_dict.items():
                 self.losses[key] = self.losses.get(key, 0.0) + value
 
     def means(self) -> Dict[str, float]:
@@ -64,9 +64,10 @@ def format_iteration_line(*, iteration, train_iters, consumed_samples, elapsed_m
         f" elapsed time per iteration (ms): {elapsed_ms:.1f}",
     ]
     if tflops is not None:
-        # Megatron prints one decimal; tiny CPU runs would always show 0.0, so small values keep 3 digits.
+        # Megatron prints one decimal; tiny CPU runs would always show 0.0, so small values keep six
+        # (fixed point, never an exponent: log parsers read digits and dots)
         parts.append(f" throughput per GPU (TFLOP/s/GPU): {tflops:.1f}" if tflops >= 1 else
-                     f" throughput per GPU (TFLOP/s/GPU): {tflops:.3g}")
+                     f" throughput per GPU (TFLOP/s/GPU): {tflops:.6f}")
         parts.append(f" tokens per second per GPU: {tokens_per_gpu:.1f}")
         if mfu is not None:
             parts.append(f" MFU: {100.0 * mfu:.1f}%")
@@ -126,7 +127,7 @@ def memory_line(iteration: int) -> str:
     mb = 1024.0 * 1024.0
     stats = memory_stats()
     counts = ("alloc retries", "alloc count")
-    body = " | ".join(f"{k}: {int(v)}" if k in counts else f"{k}: {v / mb:.1f}" for k, v in stats.items())
+    body = " | ".join(f"{k}: {int(v)}" if k in counts else f"{k}: {v / mb:.2f}" for k, v in stats.items())  # Megatron's
     rank = dist.get_rank() if dist.is_initialized() else 0
     return f"[Rank {rank}] (after {iteration} iterations) memory (MB) | {body}"
 
@@ -150,6 +151,13 @@ class TensorboardLogger:
             self.writer.add_scalar(name, value, iteration)
             if samples is not None:
                 self.writer.add_scalar(f"{name} vs samples", value, samples)
+
+    def args(self, args, iteration: int) -> None:
+        """Every setting as text, as Megatron's write_args_to_tensorboard (at training's start)."""
+        if self.writer is None:
+            return
+        for name, value in sorted(vars(args).items()):
+            self.writer.add_text(name, str(value), global_step=iteration)
 
     def memory(self, iteration: int) -> None:
         if self.writer is None:

@@ -18,10 +18,12 @@ class Reporter:
 
     TIMERS = ("forward-backward", "optimizer")
 
-    def __init__(self, args, pgs, timers, tb):
+    def __init__(self, args, pgs, timers, tb, start_iteration: int = 0):
         self.args, self.pgs, self.timers, self.tb = args, pgs, timers, tb
         self.stats = IntervalStats()
-        self.memory_reported = False
+        self.start_iteration = start_iteration  # the loaded checkpoint's, 0 for a fresh run
+        self.report_memory = True  # Megatron's report_memory_flag
+        self.kernel_reported = False
         self.flops_per_iter = num_floating_point_operations(args, args.global_batch_size)
         self.peak = args.peak_tflops if args.peak_tflops is not None else default_peak_tflops()
         self.last = time.perf_counter()
@@ -68,10 +70,11 @@ class Reporter:
             tflops = self.flops_per_iter / (elapsed * 1e12 * args.world_size)
             extra = {"tflops": tflops, "mfu": tflops / self.peak if self.peak else None,
                      "tokens_per_gpu": args.global_batch_size * args.seq_length / elapsed / args.world_size}
-        # Megatron: timings go to tensorboard only when asked, and not for the first line (start-up)
-        if args.log_timers_to_tensorboard and reset:
-            self.tb.scalars({"iteration-time": elapsed, **({"throughput": extra["tflops"]} if extra else {})},
-                            state.iteration, state.consumed_train_samples)
+        # Megatron: timings go to tensorboard only when asked, by iteration only, and the iteration
+        # time not for the first line (start-up); the throughput is written at every line
+        if args.log_timers_to_tensorboard:
+            self.tb.scalars({**({"iteration-time": elapsed} if reset else {}),
+                             **({"throughput": extra["tflops"]} if extra else {})}, state.iteration)
         print_rank_last(format_iteration_line(
             iteration=state.iteration, train_iters=args.train_iters,
             consumed_samples=state.consumed_train_samples, elapsed_ms=elapsed * 1000.0, lr=lr,
@@ -81,16 +84,26 @@ class Reporter:
         ))
         if reset:
             self.stats, self.last = IntervalStats(), now
-        if not self.memory_reported:
-            if self.pgs.index("dp") == 0:  # as Megatron: every stage and tp / cp rank, whose memory differs
-                print(memory_line(state.iteration), flush=True)
+        self._memory(state.iteration)
+        if not self.kernel_reported:
             print_rank_0(attention_kernel_line(state.model, args.attention_backend))
-            self.memory_reported = True
+            self.kernel_reported = True
         if args.timing_log_level >= 1:
             print_rank_0(pipeline_memory_line(state.pipeline, self.pgs))
             if state.memo is not None:
                 self._memo(state.memo, n, reset)
         self._timers(state.iteration, n, reset)
+
+    def _memory(self, iteration: int):
+        """Megatron's report_memory: at each line up to the first one past the run's first
+        iteration (that one includes the optimizer state), then every --log-memory-interval; from
+        every rank of data-parallel rank 0 (each stage and tp / cp rank: their memory differs)."""
+        interval = self.args.log_memory_interval
+        due = self.report_memory or (interval is not None and iteration % interval == 0)
+        if iteration > self.start_iteration + 1:
+            self.report_memory = False
+        if due and self.pgs.index("dp") == 0:
+            print(memory_line(iteration), flush=True)
 
     def _memo(self, memo, n: int, reset: bool):
         mib = 2**20
@@ -122,23 +135,24 @@ class Reporter:
             times = {name: list(ms) for name, ms in self.timers.min_max(list(self.TIMERS), reset=reset).items()}
         if not times:
             return
-        print_rank_last(TIMES_HEADER[option] + "".join(
-            f"\n    {(name + ' ').ljust(48, '.')}: {_timer_values(option, ms, n)}" for name, ms in times.items()))
+        print_rank_last(TIMES_HEADER[option] + "".join(_timer_lines(option, name, ms, n) for name, ms in times.items()))
         if self.args.log_timers_to_tensorboard:
             self.tb.scalars({f"{name}-time": max(ms) / 1000.0 / n for name, ms in times.items()}, iteration)
 
 
 TIMES_HEADER = {"max": "max time across ranks (ms):", "minmax": "(min, max) time across ranks (ms):",
-                "all": "time on each rank, in rank order (ms):"}
+                "all": "times across ranks (ms):"}
 
 
-def _timer_values(option: str, ms: List[float], n: int) -> str:
-    """A timer's per-iteration ms as --timing-log-option shows them: max, (min, max) or every rank's."""
+def _timer_lines(option: str, name: str, ms: List[float], n: int) -> str:
+    """A timer's per-iteration ms in Megatron's layouts: a dotted line with its max or (min, max)
+    over the ranks, or (`all`) its name and a line per rank that ran it."""
     if option == "max":
-        return f"{max(ms) / n:.2f}"
+        return f"\n    {(name + ' ').ljust(48, '.')}: {max(ms) / n:.2f}"
     if option == "minmax":
-        return f"({min(ms) / n:.2f}, {max(ms) / n:.2f})"
-    return " | ".join(f"{v / n:.2f}" for v in ms)
+        return f"\n    {(name + ' ').ljust(48, '.')}: ({min(ms) / n:.2f}, {max(ms) / n:.2f})"
+    ranks = "".join(f"\n     rank {rank:2d}: {v / n:.2f}" for rank, v in enumerate(ms) if v > 0)
+    return f"\n  {name}:{ranks}" if ranks else ""
 
 
 def attention_kernel_line(chunks, backend: str) -> str:

@@ -336,7 +336,8 @@ def _train_loop(forward_step_func, train_iter, valid_iter, state, args, pgs, tim
     if args.manual_gc:  # every rank collects at the same iterations, not when its own counts say
         gc.disable()
         gc.collect()
-    reporter = Reporter(args, pgs, timers, tb)
+    reporter = Reporter(args, pgs, timers, tb, state.iteration)
+    tb.args(args, state.iteration)
     _train_mode(state.model, True)
     reset_memory_peaks()
     while state.iteration < args.train_iters:
@@ -527,6 +528,7 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
 
 def _finish(args, state, pgs, forward_step_func, valid_iter, test_loader, tb):
     if args.skip_train:
+        tb = TensorboardLogger(None)  # as Megatron: an evaluation-only run writes no scalars
         print_rank_0(f"skipping training (--skip-train): evaluating the model of iteration {state.iteration}")
     elif args.save and (not args.save_interval or state.iteration % args.save_interval != 0):
         save_and_report(args, state, pgs)

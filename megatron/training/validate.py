@@ -380,6 +380,9 @@ def _schedule_args(args):
     require(not (args.use_checkpoint_opt_param_scheduler and args.override_opt_param_scheduler),
             "--use-checkpoint-opt_param-scheduler and --override-opt_param-scheduler are mutually exclusive")
     require(args.log_interval > 0, "--log-interval must be positive")
+    interval = args.log_memory_interval
+    require(interval is None or (interval > 0 and interval % max(args.log_interval, 1) == 0),
+            f"--log-memory-interval {interval} must be a positive multiple of --log-interval {args.log_interval}")
     require(args.eval_interval is None or args.eval_interval > 0, "--eval-interval must be positive")
 
 

@@ -12,7 +12,8 @@ def _args(**over):
     args = dict(log_interval=3, tensorboard_log_interval=1, timing_log_level=1, log_timers_to_tensorboard=True,
                 log_memory_to_tensorboard=False, log_throughput=False, log_loss_scale_to_tensorboard=False,
                 log_world_size_to_tensorboard=True, train_iters=9, global_batch_size=8, world_size=4,
-                peak_tflops=1.0, attention_backend="auto", timing_log_option="minmax")
+                peak_tflops=1.0, attention_backend="auto", timing_log_option="minmax", log_memory_interval=None,
+                seq_length=16)
     return SimpleNamespace(**{**args, **over})
 
 
@@ -93,9 +94,88 @@ def test_the_memory_report_comes_from_every_first_data_parallel_rank(monkeypatch
     assert ("memory after 1" in capsys.readouterr().out) == printed
 
 
-@pytest.mark.parametrize("option, shown", [("max", "4.00"), ("minmax", "(1.00, 4.00)"), ("all", "1.00 | 4.00 | 2.00")])
+@pytest.mark.parametrize("option, shown", [
+    ("max", "\n    optimizer ......................................: 4.00"),
+    ("minmax", "\n    optimizer ......................................: (1.00, 4.00)"),
+    ("all", "\n  optimizer:\n     rank  0: 1.00\n     rank  2: 2.00\n     rank 11: 4.00"),
+])
 def test_timing_log_option_shows_megatrons_three_views(option, shown):
-    """--timing-log-option: each timer's max over the ranks, its (min, max), or every rank's, per
-    iteration (here over 2 iterations)."""
-    assert reporting._timer_values(option, [2.0, 8.0, 4.0], 2) == shown
+    """--timing-log-option: each timer's max over the ranks, its (min, max), or every rank's that
+    ran it (Megatron's layout), per iteration (here over 2 iterations)."""
+    ms = [2.0, 0.0, 4.0] + [0.0] * 8 + [8.0] if option == "all" else [2.0, 8.0]  # per rank, or (min, max)
+    assert reporting._timer_lines(option, "optimizer", ms, 2) == shown
     assert reporting.TIMES_HEADER[option].endswith("(ms):")
+
+
+@pytest.mark.parametrize("start, interval, printed", [(0, None, [1, 3]), (6, None, [7, 9]), (0, 6, [1, 3, 6, 12])])
+def test_memory_is_reported_as_megatron_does(monkeypatch, capsys, start, interval, printed):
+    """Megatron's report_memory: at each line up to the first one past the run's first iteration
+    (the optimizer state has been made by then), then every --log-memory-interval."""
+    monkeypatch.setattr(reporting, "memory_line", lambda iteration: f"memory after {iteration}")
+    monkeypatch.setattr(reporting, "attention_kernel_line", lambda *a: "")
+    monkeypatch.setattr(reporting, "num_floating_point_operations", lambda args, batch: 1.0)
+    rep = reporting.Reporter(_args(timing_log_level=0, log_memory_interval=interval, train_iters=13),
+                             SimpleNamespace(index=lambda axis: 0), Timers(0, cuda=False),
+                             SimpleNamespace(scalars=lambda *a, **k: None), start_iteration=start)
+    for it in range(start + 1, 13):
+        _step(rep, _Clock(), it, at=float(it), loss=1.0, fb_s=0.1)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("memory after")]
+    assert lines == [f"memory after {i}" for i in printed]
+
+
+def test_tensorboard_times_are_by_iteration_and_throughput_starts_with_the_first_line(monkeypatch):
+    """Megatron writes iteration-time (not for the first line) and throughput (for every line) at
+    the iteration only: no 'vs samples' twins."""
+    monkeypatch.setattr(reporting, "num_floating_point_operations", lambda args, batch: 1e12)
+    for name in ("memory_line", "attention_kernel_line"):
+        monkeypatch.setattr(reporting, name, lambda *a: "")
+    written = []
+    tb = SimpleNamespace(scalars=lambda values, step, samples=None: written.append((step, samples, sorted(values))))
+    rep = reporting.Reporter(_args(timing_log_level=0, log_throughput=True, tensorboard_log_interval=100),
+                             SimpleNamespace(index=lambda axis: 0), Timers(0, cuda=False), tb)
+    for it in (1, 2, 3):
+        _step(rep, _Clock(), it, at=float(it), loss=1.0, fb_s=0.1)
+    lines = [w for w in written if "forward-backward-time" not in w[2]]  # the timers' own scalars aside
+    assert lines == [(1, None, ["throughput"]), (3, None, ["iteration-time", "throughput"])]
+
+
+def test_nan_iterations_are_skipped_ones_with_a_loss_that_is_not_finite():
+    """Megatron counts an iteration once however many loss keys are NaN, and only if it was skipped."""
+    from megatron.training.metrics import IntervalStats
+
+    stats = IntervalStats()
+    stats.add({"lm loss": float("nan")}, skipped=False)  # not skipped: in the mean, not counted
+    stats.add({"lm loss": float("nan"), "aux": float("inf")}, skipped=True)
+    stats.add({"lm loss": 1.0}, skipped=True)
+    assert (stats.iterations, stats.skipped, stats.nan) == (3, 2, 1)
+
+
+def test_tensorboard_gets_every_setting_as_text(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megatron.training.metrics import TensorboardLogger
+
+    tb = TensorboardLogger(str(tmp_path))
+    tb.args(SimpleNamespace(lr=0.001, data_path=["a", "b"]), iteration=7)
+    tb.close()
+    events = EventAccumulator(str(tmp_path), size_guidance={"tensors": 0}).Reload()
+    texts = {tag: events.Tensors(tag)[0] for tag in events.Tags()["tensors"]}
+    assert {tag.split("/")[0] for tag in texts} == {"lr", "data_path"}
+    assert all(event.step == 7 for event in texts.values())
+
+
+def test_an_evaluation_only_run_writes_no_scalars(monkeypatch):
+    """--skip-train: Megatron's final evaluation writes to tensorboard only when it trained."""
+    from megatron.training import training
+
+    seen = []
+    monkeypatch.setattr(training, "evaluate_and_print", lambda name, f, it, state, args, pgs, tb, periodic:
+                        seen.append((name, tb.writer is None if hasattr(tb, "writer") else False)))
+    monkeypatch.setattr(training, "print_rank_0", lambda *a: None)
+    args = SimpleNamespace(skip_train=True, save=None, eval_iters=1)
+    live = SimpleNamespace(scalars=lambda *a, **k: None)  # the run's logger
+    training._finish(args, SimpleNamespace(iteration=3), None, None, iter([]), lambda: iter([]), live)
+    assert seen == [("validation", True), ("test", True)]
+    args.skip_train, seen[:] = False, []
+    training._finish(args, SimpleNamespace(iteration=3), None, None, iter([]), lambda: iter([]), live)
+    assert seen == [("validation", False), ("test", False)]
