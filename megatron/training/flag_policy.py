@@ -29,6 +29,9 @@ UNSUPPORTED = {
     "--multiple-validation-sets": "one validation set (the --split share of --data-path) is read",
     "--log-straggler": "straggler detection is not implemented (--timing-log-level 1 prints each timer's "
                        "min and max over the ranks)",
+    "--result-rejected-tracker-filename": "rejected results are printed to the log ('rerun:' lines), not kept in a "
+                                          "tracker file",
+    "--iterations-to-skip": "skipping chosen iterations is not implemented",
     "--log-progress": "progress.txt (tokens and FLOPs so far) is not written: the iteration line has both rates",
     "--log-energy": "energy is not measured",
     "--log-device-memory-used": "the driver's device memory figure is not logged (the memory line has the "

@@ -18,8 +18,14 @@ resumed run repeats it exactly, and every rank's machine state. The first iterat
 re-run (nothing to checkpoint before a step): a fatal rejection there stops the run, as
 --rerun-mode disabled does on every iteration.
 
+The checks are Megatron's: each micro-batch's loss (NaN, Inf; spiky with --check-for-spiky-loss)
+and each rank's gradient norm (NaN, Inf), all under
+--check-for-nan-in-loss-and-grad but the spiky one. Under --rerun-mode disabled a fatal rejection
+stops the run and a spiky loss is logged.
+
 --rerun-mode report_stats runs every iteration twice and reports the relative difference of each
-checked value (how deterministic the run is). --error-injection-rate N marks one check in N on each
+checked value (how deterministic the run is); unlike Megatron's, it still stops on a NaN or Inf (a
+run that goes on from one trains on nothing). --error-injection-rate N marks one check in N on each
 rank as rejected, as Megatron's injector does; --error-injection-type says how the reruns then
 compare: transient_error differs in place, persistent_error differs on other hardware,
 correct_result agrees on both.
@@ -129,6 +135,12 @@ def loss_checks(nan: bool, spiky: bool) -> List[Check]:
     --check-for-nan-in-loss-and-grad), spiky (not fatal, with --check-for-spiky-loss)."""
     checks = [Check("loss is NaN", math.isnan, True), Check("loss is Inf", math.isinf, True)] if nan else []
     return checks + ([Check("Spiky loss", SpikeDetector(), False)] if spiky else [])
+
+
+# megatron-core's checks on a rank's gradient norm (per bucket there, before the data-parallel
+# reduction): fatal. Its tolerance of 1e-3 changes nothing for them: a rejected norm is NaN or Inf,
+# and a rerun's is then the same (reproduced) or finite (an infinite relative difference).
+GRAD_CHECKS = (Check("grad norm is NaN", math.isnan, True), Check("grad norm is Inf", math.isinf, True))
 
 
 class Replay:
@@ -243,21 +255,22 @@ class RerunMachine:
             data.rewind()
 
     # ---- the checks ----------------------------------------------------------------------------
-    def validate(self, values: Sequence[float], tolerance: float = 0.0) -> None:
-        """Every check on every value, in order (one call each). Tolerance 0, as Megatron's loss
-        checks: a rerun on the same data and streams is bitwise the same unless something broke."""
-        for i, value in enumerate(values):
+    def validate(self, values: Sequence[float], tolerance: float = 0.0, checks: Optional[Sequence[Check]] = None):
+        """Every check (the machine's loss checks unless given) on every value, in order (one call
+        each). Tolerance 0, as Megatron's loss checks: a rerun on the same data and streams is
+        bitwise the same unless something broke."""
+        for value in values:
             if self.mode == "report_stats":
-                self._record(i, value)
-            for check in self.checks:
+                self.calls["value"] += 1
+                self._record(self.calls["value"], value)
+            for check in self.checks if checks is None else checks:
                 self._validate(value, check, tolerance)
 
     def _validate(self, value: float, check: Check, tolerance: float) -> None:
         self.calls[check.name] += 1
         call = (check.name, self.calls[check.name])
         if self.mode != "validate_results" or (self.phase == FIRST and not self.first_done):
-            if self.phase == FIRST and check.reject(value) and check.fatal:  # as --rerun-mode disabled
-                raise FloatingPointError(f"{check.name} ({value}) at iteration {self.iteration}")
+            self._unjudged(value, check)
             return
         if self.phase == FIRST and self.failure is None:
             self._first(call, value, check)
@@ -265,6 +278,19 @@ class RerunMachine:
             differs = (self.injector.differs(self.phase) if self.failure.injected
                        else relative_difference(self.failure.value, value) > tolerance)
             self.verdict = self._judge(differs, check, value)
+
+    def _unjudged(self, value: float, check: Check) -> None:
+        """A run no rerun judges (--rerun-mode disabled or report_stats, or a run's first
+        iteration): a fatal rejection stops it, a non-fatal one is logged (Megatron's disabled
+        mode). Under validate_results the first iteration feeds no detector: Megatron's spiky-loss
+        yardstick starts with the second, past the start-up's losses."""
+        if self.phase != FIRST or (self.mode == "validate_results" and not check.fatal):
+            return
+        if check.reject(value):
+            if check.fatal:
+                raise FloatingPointError(f"{check.name} ({value}) at iteration {self.iteration}")
+            self.log(f"rerun: {check.name} ({value}) at iteration {self.iteration}: not rerun "
+                     f"(--rerun-mode {self.mode})")
 
     def _record(self, i: int, value: float) -> None:
         if self.phase == FIRST:

@@ -10,7 +10,7 @@ import sys
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,9 @@ from megatron.training.model import fusions, logits_line, params_dtype, unwrap
 from megatron.training.optimizer import DistributedAdam
 from megatron.training.profiling import StepProfiler, start_memory_history
 from megatron.training.reporting import Reporter
-from megatron.training.rerun import Injector, Replay, RerunMachine, loss_checks, this_device
+from megatron.training.rerun import (
+    GRAD_CHECKS, Injector, Replay, RerunMachine, loss_checks, this_device,
+)
 from megatron.training.timers import Timers
 from megatron.training.tokenizer import build_tokenizer
 from megatron.training.validate import padded_vocab_size, validate_args, world_size_from_env
@@ -178,7 +180,10 @@ def train_step(forward_step_func, data_iterator, state: TrainState, args, pgs, t
     rerun, replay = state.rerun, data_iterator if isinstance(data_iterator, Replay) else None
     while rerun.should_run(replay, state.iteration + 1):
         reports = _forward_backward(forward_step_func, data_iterator, state, args, timers)
-        rerun.validate(_local_losses(reports))
+        losses, grad_norm = _checked_values(reports, state, args)
+        rerun.validate(losses)
+        if grad_norm is not None:
+            rerun.validate([grad_norm], checks=GRAD_CHECKS)
     save, exit_code = rerun.outcome()
     if exit_code:
         _rerun_exit(args, state, pgs, save, exit_code)
@@ -213,12 +218,24 @@ def _settle(memo) -> None:
         memo.allocator.settle()  # the iteration's frees are safe to reuse from here
 
 
-def _local_losses(reports) -> List[float]:
-    """This rank's reported loss sums, micro-batch by micro-batch (what Megatron's loss checks
-    see: before any reduction), in one transfer."""
-    if not reports:
-        return []
-    return torch.stack([r[key][0].detach().float() for r in reports for key in r]).tolist()
+def _local_losses(reports) -> List[torch.Tensor]:
+    """This rank's reported loss sums, micro-batch by micro-batch: what Megatron's loss checks
+    see, before any reduction."""
+    return [r[key][0].detach().float() for r in reports for key in r]
+
+
+def _checked_values(reports, state: TrainState, args) -> Tuple[List[float], Optional[float]]:
+    """The local losses and, under --check-for-nan-in-loss-and-grad, the norm of this rank's
+    gradient buffer, in one transfer. Not with fp16: an overflow there is the loss scaler's to
+    skip, not a fault."""
+    values = _local_losses(reports)
+    grads = args.check_for_nan_in_loss_and_grad and state.optimizer.scaler is None
+    if grads:
+        values.append(state.optimizer.buffer.grad_data.float().norm())
+    if not values:
+        return [], None
+    out = torch.stack([v.to(values[0].device) for v in values]).tolist()
+    return (out[:-1], out[-1]) if grads else (out, None)
 
 
 def build_rerun(args, pgs) -> RerunMachine:
@@ -284,7 +301,19 @@ def evaluate(forward_step_func, data_iterator, state: TrainState, args, pgs, num
                 break
     _train_mode(state.model, True)
     LEDGER.enabled = True
+    if args.check_for_nan_in_loss_and_grad:
+        _check_evaluation(totals, state.iteration)
     return None if stop else reduce_reports(totals, pgs, state.optimizer.device)
+
+
+def _check_evaluation(reports, iteration: int) -> None:
+    """A NaN or Inf evaluation loss stops the run (Megatron's loss checks, which no rerun judges
+    in evaluation): a model that gives one has nothing left to train."""
+    losses = torch.stack(_local_losses(reports)).tolist() if reports else []
+    for check in loss_checks(nan=True, spiky=False):
+        bad = [value for value in losses if check.reject(value)]
+        if bad:
+            raise FloatingPointError(f"evaluation {check.name} ({bad[0]}) at iteration {iteration}")
 
 
 def evaluate_and_print(name, forward_step_func, data_iterator, state, args, pgs, tb, count_samples):

@@ -1,14 +1,14 @@
 """The rerun state machine (--rerun-mode) as Megatron defines it: which runs happen, which exit
 status and checkpoint follow, for real and injected rejections, fatal and not (pure: one rank, its
-`any_rank` the identity; the multi-rank runs through pretrain_gpt.py are in test_rerun_runs.py)."""
+`any_rank` the identity; the runs through pretrain_gpt.py are in tests/functional_tests)."""
 import math
 
 import pytest
 import torch
 
 from megatron.training.rerun import (
-    EXIT_FAILED_VALIDATION, EXIT_RESUME_ELSEWHERE, SPIKY_SAMPLES, Injector, Replay, RerunMachine, loss_checks,
-    relative_difference, restore_states)
+    EXIT_FAILED_VALIDATION, EXIT_RESUME_ELSEWHERE, GRAD_CHECKS, SPIKY_SAMPLES, Injector, Replay,
+    RerunMachine, loss_checks, relative_difference, restore_states)
 
 HERE, ELSEWHERE = ("node-a", 0), ("node-b", 0)
 
@@ -39,6 +39,8 @@ def clean(m, iterations=1):
 def test_a_clean_iteration_runs_once_in_every_mode():
     for mode in ("disabled", "validate_results"):
         clean(machine(mode), 3)
+    m = machine("report_stats")  # every iteration twice, nothing else
+    assert [iterate(m, i, lambda r: [2.0, 2.1]) for i in (1, 2)] == [(2, (False, 0))] * 2
 
 
 def test_disabled_and_the_first_iteration_stop_on_a_nan_loss():
@@ -120,11 +122,43 @@ def test_injection_rate_n_rejects_about_one_check_in_n():
 
 def test_a_spiky_loss_reruns_and_goes_on_with_the_rerun():
     m = machine(spiky=True)
-    for i in range(1, SPIKY_SAMPLES + 1):  # the yardstick: the largest of the first 100 losses
+    assert iterate(m, 1, lambda r: [30.0]) == (1, (False, 0))  # the start-up's loss is no yardstick
+    for i in range(2, SPIKY_SAMPLES + 2):  # the yardstick: the largest of the next 100 losses
         assert iterate(m, i, lambda r: [2.0]) == (1, (False, 0))
-    assert iterate(m, 101, lambda r: [19.9]) == (1, (False, 0))
-    assert iterate(m, 102, lambda r: [20.0]) == (2, (False, 0))  # >= 10 x 2.0: not fatal
-    assert iterate(m, 103, lambda r: [20.0] if r == 0 else [2.0]) == (2, (False, 0))
+    assert iterate(m, 102, lambda r: [19.9]) == (1, (False, 0))
+    assert iterate(m, 103, lambda r: [20.0]) == (2, (False, 0))  # >= 10 x 2.0: not fatal
+    assert iterate(m, 104, lambda r: [20.0] if r == 0 else [2.0]) == (2, (False, 0))
+
+
+def test_without_reruns_a_spiky_loss_is_logged_and_training_goes_on():
+    m = machine("disabled", spiky=True)
+    for i in range(1, SPIKY_SAMPLES + 1):  # Megatron's disabled mode samples from the first iteration
+        iterate(m, i, lambda r: [2.0])
+    assert iterate(m, 101, lambda r: [25.0]) == (1, (False, 0))
+    assert m.logs == ["rerun: Spiky loss (25.0) at iteration 101: not rerun (--rerun-mode disabled)"]
+
+
+def grads(m, iteration, norm_of_run):
+    """One iteration whose losses are fine and whose gradient norm is norm_of_run(run)."""
+    runs = 0
+    while m.should_run(None, iteration):
+        m.validate([2.0])
+        m.validate([norm_of_run(runs)], checks=GRAD_CHECKS)
+        runs += 1
+    return runs, m.outcome()
+
+
+def test_a_nan_gradient_takes_the_rerun_path_of_a_nan_loss():
+    """megatron-core's checks on the gradient norm, fatal as the loss's NaN and Inf."""
+    m = machine()
+    assert grads(m, 1, lambda r: 1.0) == (1, (False, 0))
+    assert grads(m, 2, lambda r: math.nan) == (2, (True, EXIT_RESUME_ELSEWHERE))
+    assert m.state_dict()["failure"][0] == ("grad norm is NaN", 1)
+    m = machine()
+    grads(m, 1, lambda r: 1.0)
+    assert grads(m, 2, lambda r: [math.inf, 1.0][r]) == (2, (True, EXIT_FAILED_VALIDATION))  # transient
+    with pytest.raises(FloatingPointError, match="grad norm is Inf"):
+        grads(machine("disabled"), 1, lambda r: math.inf)
 
 
 def test_a_rerun_sees_the_same_micro_batches_and_random_streams():
@@ -151,6 +185,9 @@ def test_report_stats_runs_every_iteration_twice_and_measures_the_difference():
     compared, largest = m.stats()
     assert compared == 4 and largest == pytest.approx(1e-3, rel=1e-3)
     assert m.stats() == (0, 0.0)
+    assert grads(m, 3, lambda r: 5.0 * (1 + 1e-2 * r)) == (2, (False, 0))  # a gradient norm is its own value
+    compared, largest = m.stats()
+    assert compared == 2 and largest == pytest.approx(1e-2, rel=1e-2)
 
 
 def test_relative_difference():
@@ -178,3 +215,31 @@ def test_a_pending_rerun_is_ignored_by_runs_that_do_not_validate(mode):
     restore_states(other, [first.state_dict()], log=other.logs.append)
     assert other.logs == [f"rerun: the checkpoint asks to rerun iteration 2 on 1 ranks; ignored (--rerun-mode {mode})"]
     assert iterate(other, 2, lambda r: [2.0]) == (2 if mode == "report_stats" else 1, (False, 0))
+
+
+def test_the_checked_values_are_the_local_losses_and_the_gradient_norm():
+    """One transfer: each micro-batch's loss sum and, unless fp16's loss scaler owns overflows, the
+    norm of this rank's gradient buffer; a NaN gradient shows in it."""
+    from types import SimpleNamespace
+
+    from megatron.training.training import _checked_values
+
+    reports = [{"lm loss": torch.tensor([3.0, 4.0])}, {"lm loss": torch.tensor([1.0, 4.0])}]
+    grad_data = torch.tensor([3.0, 4.0, 0.0])
+    state = SimpleNamespace(optimizer=SimpleNamespace(scaler=None, buffer=SimpleNamespace(grad_data=grad_data)))
+    args = SimpleNamespace(check_for_nan_in_loss_and_grad=True)
+    assert _checked_values(reports, state, args) == ([3.0, 1.0], 5.0)
+    grad_data[2] = math.nan
+    assert math.isnan(_checked_values([], state, args)[1])  # a stage without losses checks its gradients too
+    state.optimizer.scaler = object()  # fp16
+    assert _checked_values(reports, state, args) == ([3.0, 1.0], None)
+    args.check_for_nan_in_loss_and_grad = False
+    assert _checked_values([], state, args) == ([], None)
+
+
+def test_a_nan_evaluation_loss_stops_the_run():
+    from megatron.training.training import _check_evaluation
+
+    _check_evaluation([{"lm loss": torch.tensor([2.0, 4.0])}], 5)
+    with pytest.raises(FloatingPointError, match=r"evaluation loss is NaN \(nan\) at iteration 5"):
+        _check_evaluation([{"lm loss": torch.tensor([2.0, 4.0])}, {"lm loss": torch.tensor([math.nan, 4.0])}], 5)
