@@ -332,13 +332,19 @@ class RerunMachine:
         """What a resumed run needs (None when nothing is pending)."""
         if self.phase != WILL_RESUME:
             return None
-        failure = (self.failure.call, self.failure.value, self.failure.injected) if self.failure else None
+        # the value as text: a NaN is not equal to itself, and torch_dist compares the common state
+        # of the ranks (a NaN there reads as ranks that disagree)
+        failure = (self.failure.call, repr(self.failure.value), self.failure.injected) if self.failure else None
         return {"phase": self.phase, "iteration": self.iteration, "failure": failure,  # plain values only
                 "suspect": self.suspect, "pending_injection": self.injector.pending}
 
     def load_state_dict(self, state: dict) -> None:
         self.phase, self.iteration = state["phase"], state["iteration"]
-        self.failure = Failure(*state["failure"]) if state["failure"] else None
+        if state["failure"]:
+            call, value, injected = state["failure"]
+            self.failure = Failure(tuple(call), float(value), injected)
+        else:
+            self.failure = None
         self.suspect, self.injector.pending = state["suspect"], state["pending_injection"]
 
 
