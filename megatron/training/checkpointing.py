@@ -40,6 +40,7 @@ from megatron.training.megatron_optim import (
     to_megatron_plain)
 from megatron.training.metrics import print_rank_0
 from megatron.training.model import unwrap
+from megatron.training.validate import train_samples
 
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0
@@ -221,8 +222,9 @@ def _megatron_optimizer(args, state) -> dict:
     else:
         out = to_megatron_plain(optimizer.param_state, megatron_groups(optimizer, unwrap(state.model), args),
                                 args, optimizer.adam_steps())
-    if optimizer.scaler is not None:  # Megatron's scale is a one-element fp32 tensor
-        out["grad_scaler"] = {**optimizer.scaler.state_dict(), "scale": torch.tensor([optimizer.scaler.scale])}
+    if optimizer.scaler is not None:  # Megatron's scale is a one-element fp32 tensor; a fixed one saves {}
+        scaler = optimizer.scaler.state_dict()
+        out["grad_scaler"] = {**scaler, "scale": torch.tensor([optimizer.scaler.scale])} if scaler else {}
     return out
 
 
@@ -393,7 +395,7 @@ def schedule_of(args) -> dict:
             "lr_decay_steps": args.lr_decay_steps, "lr_decay_style": args.lr_decay_style,
             "start_wd": _or(args.start_weight_decay, args.weight_decay),
             "end_wd": _or(args.end_weight_decay, args.weight_decay),
-            "wd_incr_steps": args.train_iters * args.global_batch_size, "wd_incr_style": args.weight_decay_incr_style}
+            "wd_incr_steps": train_samples(args), "wd_incr_style": args.weight_decay_incr_style}
 
 
 def _or(value, default):
@@ -405,7 +407,7 @@ SCHEDULE_NAMES = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "LR
                   "lr_decay_steps": "LR decay samples", "lr_decay_style": "--lr-decay-style",
                   "start_wd": "--start-weight-decay (or --weight-decay)",
                   "end_wd": "--end-weight-decay (or --weight-decay)",
-                  "wd_incr_steps": "weight-decay samples (--train-iters x --global-batch-size)",
+                  "wd_incr_steps": "weight-decay samples (--train-samples, or --train-iters x --global-batch-size)",
                   "wd_incr_style": "--weight-decay-incr-style"}
 
 

@@ -17,15 +17,14 @@ from megatron.core.datasets.utils import get_blend_from_list
 from megatron.longseq.attention.placement import RankTokens, TokenPlacement
 from megatron.longseq.pipeline.partition import document_partition
 from megatron.training.passkey import build_passkey_datasets
-from megatron.training.validate import num_parameters
+from megatron.training.validate import num_parameters, train_samples
 
 
 def train_valid_test_num_samples(args):
-    """Megatron's sizes: train iterations, every evaluation (+1 at the end), one test pass."""
+    """Megatron's sizes: the training samples, every evaluation (+1 at the end), one test pass."""
     periodic = args.train_iters // args.eval_interval if args.eval_interval else 0
     evals = (periodic + 1) * args.eval_iters if args.eval_iters > 0 else 0
-    return [args.train_iters * args.global_batch_size, evals * args.global_batch_size,
-            args.eval_iters * args.global_batch_size]
+    return [train_samples(args), evals * args.global_batch_size, args.eval_iters * args.global_batch_size]
 
 
 def build_datasets(args, tokenizer, num_samples):

@@ -1,4 +1,4 @@
-"""Loss scaling for --fp16, by Megatron's rules, on any device (megatron-core's scalers keep their
+"""Loss scaling for --fp16 (and a fixed --loss-scale under bf16), by Megatron's rules, on any device (megatron-core's scalers keep their
 state on CUDA).
 
 fp16 keeps 5 exponent bits: gradients smaller than 2^-24 flush to zero. The loss is multiplied by
@@ -49,21 +49,28 @@ class LossScaler:
             self.hysteresis_left = self.hysteresis
             self.scale *= self.growth
 
-    # Megatron's checkpoint keys
+    # Megatron's checkpoint keys; a fixed scale has none (megatron-core's ConstantGradScaler): it
+    # is the flag's, whatever a checkpoint says
     def state_dict(self) -> dict:
+        if not self.dynamic:
+            return {}
         return {"scale": self.scale, "growth_tracker": self.clean_steps, "hysteresis_tracker": self.hysteresis_left}
 
     def load_state_dict(self, state: dict) -> None:
+        if not self.dynamic or not state:  # a fixed scale's checkpoint: start from --initial-loss-scale
+            return
         self.scale = float(state["scale"])
         self.clean_steps = int(state["growth_tracker"])
         self.hysteresis_left = int(state["hysteresis_tracker"])
 
 
 def loss_scaler(args) -> Optional[LossScaler]:
-    """The scaler --fp16 trains with (None for bf16 and fp32, which need none)."""
-    if not args.fp16:
-        return None
+    """The scaler a run trains with, as megatron-core builds it: --loss-scale fixes one under any
+    precision validation lets it (bf16 included); --fp16 otherwise scales dynamically; bf16 and
+    fp32 need none."""
     if args.loss_scale is not None:
         return LossScaler(args.loss_scale, dynamic=False)
+    if not args.fp16:
+        return None
     return LossScaler(args.initial_loss_scale, min_scale=args.min_loss_scale, window=args.loss_scale_window,
                       hysteresis=args.hysteresis)

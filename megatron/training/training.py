@@ -225,11 +225,11 @@ def _local_losses(reports) -> List[torch.Tensor]:
 
 
 def _checked_values(reports, state: TrainState, args) -> Tuple[List[float], Optional[float]]:
-    """The local losses and, under --check-for-nan-in-loss-and-grad, the norm of this rank's
-    gradient buffer, in one transfer. Not with fp16: an overflow there is the loss scaler's to
-    skip, not a fault."""
+    """The local losses and, under --check-for-nan-in-loss-and-grad (off with fp16's dynamic
+    scaling, whose overflows skip the step), the norm of this rank's gradient buffer, in one
+    transfer."""
     values = _local_losses(reports)
-    grads = args.check_for_nan_in_loss_and_grad and state.optimizer.scaler is None
+    grads = args.check_for_nan_in_loss_and_grad
     if grads:
         values.append(state.optimizer.buffer.grad_data.float().norm())
     if not values:

@@ -245,9 +245,15 @@ def _batch_args(args):
 
 def _precision_args(args):
     require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are mutually exclusive")
+    require(args.loss_scale is None or args.loss_scale > 0, f"--loss-scale must be positive, got {args.loss_scale}")
+    require(args.loss_scale is None or args.fp16 or args.bf16 or args.use_distributed_optimizer,
+            "--loss-scale needs --fp16, --bf16 or --use-distributed-optimizer (Megatron's fp32 optimizer takes "
+            "no loss scale)")
+    if args.fp16 and args.loss_scale is None:
+        # Megatron's: under dynamic scaling a non-finite loss or gradient is the scaler's signal to
+        # skip the step and back off, not a fault
+        args.check_for_nan_in_loss_and_grad = False
     if args.fp16:
-        require(args.loss_scale is None or args.loss_scale > 0,
-                f"--loss-scale must be positive, got {args.loss_scale}")
         require(args.initial_loss_scale >= args.min_loss_scale > 0,
                 f"need --initial-loss-scale {args.initial_loss_scale:g} >= "
                 f"--min-loss-scale {args.min_loss_scale:g} > 0")
@@ -361,6 +367,7 @@ def _schedule_args(args):
     decay, warmup = _train_iters(args) if args.train_samples is None else _train_samples(args)
     require(args.train_iters > 0, f"--train-iters must be positive, got {args.train_iters}")
     require(args.lr >= args.min_lr >= 0.0, f"need --lr {args.lr} >= --min-lr {args.min_lr} >= 0")
+    require(0.0 <= args.lr_warmup_init <= args.lr, f"need 0 <= --lr-warmup-init {args.lr_warmup_init} <= --lr {args.lr}")
     if args.decoupled_lr is not None:
         low = args.decoupled_min_lr if args.decoupled_min_lr is not None else args.min_lr
         require(args.decoupled_lr >= low >= 0.0,
@@ -395,6 +402,12 @@ def _train_iters(args):
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     return args.lr_decay_iters * gbs, args.lr_warmup_iters * gbs
+
+
+def train_samples(args) -> int:
+    """Megatron's: --train-samples as given (a last partial batch is not trained, but the
+    weight-decay ramp and the train split are sized by it), else iterations x global batch."""
+    return args.train_samples if args.train_samples is not None else args.train_iters * args.global_batch_size
 
 
 def _train_samples(args):

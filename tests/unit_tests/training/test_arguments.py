@@ -6,6 +6,8 @@ import torch
 
 from megatron.training.arguments import ArgsError, parse_args
 from megatron.training.validate import padded_vocab_size, validate_args
+from megatron.training.checkpointing import schedule_of
+from megatron.training.data import train_valid_test_num_samples
 from tools import preprocess_data
 
 BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --micro-batch-size 2 "
@@ -261,10 +263,15 @@ def test_training_length_in_iterations_or_samples():
     args = args_for("--train-samples 100 --global-batch-size 8 --lr-warmup-samples 16 --lr-decay-samples 80",
                     base=base)
     assert (args.train_iters, args.lr_warmup_steps, args.lr_decay_steps) == (12, 16, 80)
+    # Megatron sizes the weight-decay ramp and the train split by --train-samples itself (100),
+    # though the last partial batch is not trained (12 x 8 = 96)
+    assert schedule_of(args)["wd_incr_steps"] == 100 and train_valid_test_num_samples(args)[0] == 100
     iters = args_for("--global-batch-size 8 --lr-warmup-iters 2 --lr-decay-iters 10")
     assert (iters.lr_warmup_steps, iters.lr_decay_steps) == (16, 80)  # Megatron counts samples either way
+    assert schedule_of(iters)["wd_incr_steps"] == 80 and train_valid_test_num_samples(iters)[0] == 80
     assert "mutually exclusive" in error_of("--train-samples 100")
     assert "need --train-samples" in error_of("--lr-warmup-samples 16")
+    assert error_of("--lr-warmup-init 0.01 --lr 0.001") == "need 0 <= --lr-warmup-init 0.01 <= --lr 0.001"
 
 
 def test_null_tokenizer_needs_vocab_size():

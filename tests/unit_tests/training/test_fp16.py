@@ -37,6 +37,36 @@ def test_dynamic_scale_backs_off_after_hysteresis_and_grows_after_a_clean_window
     assert restored.state_dict() == s.state_dict()
 
 
+def test_a_fixed_scale_is_the_flags_whatever_a_checkpoint_says():
+    """megatron-core's ConstantGradScaler: nothing saved, nothing loaded. A dynamic run resuming
+    a fixed one's checkpoint starts from its own --initial-loss-scale."""
+    fixed = LossScaler(8.0, dynamic=False)
+    assert fixed.state_dict() == {}
+    fixed.load_state_dict({"scale": 2048.0, "growth_tracker": 3, "hysteresis_tracker": 1})
+    assert fixed.scale == 8.0
+    dynamic = LossScaler(4096.0)
+    dynamic.load_state_dict({})
+    assert dynamic.scale == 4096.0
+
+
+def test_loss_scale_flags_build_megatrons_scaler():
+    """--loss-scale fixes the scale under bf16 too (megatron-core builds its constant scaler for
+    fp16, bf16 or the distributed optimizer); dynamic fp16 leaves non-finite values to the scaler
+    (Megatron turns its NaN checks off); fp32 without the distributed optimizer takes no scale."""
+    from megatron.training.loss_scaler import loss_scaler
+    from tests.unit_tests.training.test_arguments import error_of
+
+    args = tiny_args("--bf16 --loss-scale 1024")
+    assert (loss_scaler(args).scale, loss_scaler(args).dynamic, args.check_for_nan_in_loss_and_grad) == (1024, False, True)
+    args = tiny_args("--fp16")
+    assert loss_scaler(args).dynamic and not args.check_for_nan_in_loss_and_grad
+    assert tiny_args("--fp16 --loss-scale 8").check_for_nan_in_loss_and_grad  # a fixed scale: Megatron keeps them
+    assert loss_scaler(tiny_args("--bf16")) is None
+    assert error_of("--loss-scale 8") == ("--loss-scale needs --fp16, --bf16 or --use-distributed-optimizer "
+                                          "(Megatron's fp32 optimizer takes no loss scale)")
+    assert error_of("--bf16 --loss-scale 0") == "--loss-scale must be positive, got 0.0"
+
+
 def fp16_steps(state, args, steps, poison_at=None):
     """Train `steps` steps; at step `poison_at` one gradient element becomes inf after backward."""
     losses, skipped = [], 0

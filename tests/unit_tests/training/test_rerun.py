@@ -220,7 +220,7 @@ def test_a_pending_rerun_is_ignored_by_runs_that_do_not_validate(mode):
 
 
 def test_the_checked_values_are_the_local_losses_and_the_gradient_norm():
-    """One transfer: each micro-batch's loss sum and, unless fp16's loss scaler owns overflows, the
+    """One transfer: each micro-batch's loss sum and, under --check-for-nan-in-loss-and-grad, the
     norm of this rank's gradient buffer; a NaN gradient shows in it."""
     from types import SimpleNamespace
 
@@ -228,14 +228,13 @@ def test_the_checked_values_are_the_local_losses_and_the_gradient_norm():
 
     reports = [{"lm loss": torch.tensor([3.0, 4.0])}, {"lm loss": torch.tensor([1.0, 4.0])}]
     grad_data = torch.tensor([3.0, 4.0, 0.0])
-    state = SimpleNamespace(optimizer=SimpleNamespace(scaler=None, buffer=SimpleNamespace(grad_data=grad_data)))
+    state = SimpleNamespace(optimizer=SimpleNamespace(buffer=SimpleNamespace(grad_data=grad_data)))
     args = SimpleNamespace(check_for_nan_in_loss_and_grad=True)
     assert _checked_values(reports, state, args) == ([3.0, 1.0], 5.0)
     grad_data[2] = math.nan
     assert math.isnan(_checked_values([], state, args)[1])  # a stage without losses checks its gradients too
-    state.optimizer.scaler = object()  # fp16
+    args.check_for_nan_in_loss_and_grad = False  # as fp16's dynamic scaling sets it
     assert _checked_values(reports, state, args) == ([3.0, 1.0], None)
-    args.check_for_nan_in_loss_and_grad = False
     assert _checked_values([], state, args) == ([], None)
 
 
