@@ -305,7 +305,11 @@ def _checkpoint_and_logging(p):
                    help="load a checkpoint in whichever format it is (default: it must be --ckpt-format)")
     g.add_argument("--ckpt-convert-format", choices=["torch", "torch_dist"], default=None,
                    help="load --load, save it in this format under --ckpt-convert-save, and exit")
-    g.add_argument("--ckpt-convert-save", type=str, default=None, help="where --ckpt-convert-format saves")
+    g.add_argument("--ckpt-convert-save", type=str, default=None,
+                   help="where --ckpt-convert-format saves: under DIR/<format> (Megatron's)")
+    g.add_argument("--ckpt-step", type=int, default=None, help="load this iteration, whatever the tracker says")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="with --load: stop when it holds no checkpoint rather than start from random weights")
     g.add_argument("--async-save", action="store_true",
                    help="torch_dist: write the checkpoint in the background while training goes on; the next "
                         "save and the end of the run wait for it")

@@ -43,6 +43,7 @@ from megatron.training.model import unwrap
 from megatron.training.validate import train_samples
 
 TRACKER = "latest_checkpointed_iteration.txt"
+PREVIOUS = ".previous"  # an iteration saved again is moved aside under this suffix until the new one is in
 CHECKPOINT_VERSION = 3.0
 # Arguments that must agree between the checkpoint and the run that loads it.
 MUST_MATCH = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
@@ -186,11 +187,17 @@ def publish_tree(root: str, tmp: str, final: str, tracker: str) -> None:
     file is synced here, whoever wrote it: megatron-core leaves torch_dist's common.pt and
     metadata.json unsynced, and a crash of the machine after the rename could leave them empty."""
     sync_tree(tmp)
-    if os.path.exists(final):  # saving the same iteration again: replace it
-        shutil.rmtree(final)
+    previous = final + PREVIOUS
+    if os.path.exists(final):  # saving the same iteration again: the old copy stays until the new is in place
+        if os.path.exists(previous):
+            shutil.rmtree(previous)
+        os.rename(final, previous)  # a crash from here on leaves it where the loader looks (published)
+        fsync_path(root)
     os.rename(tmp, final)
     fsync_path(root)
     atomic_write_text(os.path.join(root, TRACKER), tracker)
+    if os.path.exists(previous):
+        shutil.rmtree(previous)
 
 
 def _main_file(args, state, rerun: Optional[list]) -> dict:
@@ -272,18 +279,34 @@ def same_tracker_everywhere(root: str) -> None:
                          "is a shared file system showing some nodes an older copy?")
 
 
-def latest_checkpoint(root: str) -> Optional[str]:
-    """The iteration directory the tracker under `root` points at; None when there is none."""
-    iteration = read_tracker(root)
+def latest_checkpoint(root: str, step: Optional[int] = None) -> Optional[str]:
+    """The iteration directory the tracker under `root` points at, or `step`'s (Megatron's
+    --ckpt-step, whatever the tracker says); None when there is none."""
+    iteration = read_tracker(root) if step is None else step
     if iteration == RELEASE:
-        return os.path.join(root, RELEASE)
-    return None if iteration is None else iteration_dir(root, iteration)
+        return published(os.path.join(root, RELEASE))
+    return None if iteration is None else published(iteration_dir(root, iteration))
+
+
+def published(path: str) -> str:
+    """`path`, or the copy a save of the same iteration moved aside if it crashed before putting
+    the new one in place (publish_tree)."""
+    return path + PREVIOUS if not os.path.exists(path) and os.path.isdir(path + PREVIOUS) else path
+
+
+def loaded_checkpoint(args) -> Optional[str]:
+    """The checkpoint --load (and --ckpt-step) name."""
+    return latest_checkpoint(args.load, args.ckpt_step)
 
 
 def checkpoint_format(path: str, args) -> str:
     """The format of the checkpoint at `path`; one that is not --ckpt-format is an error unless
     --auto-detect-ckpt-format (Megatron's rule)."""
+    if not os.path.isdir(path):
+        raise ValueError(f"no checkpoint directory {path} (named by the tracker, or --ckpt-step)")
     found = "torch_dist" if os.path.isfile(os.path.join(path, FORMAT_FILE)) else "torch"
+    if found == "torch" and not any(name.startswith("mp_rank_") for name in os.listdir(path)):
+        raise ValueError(f"{path} holds neither a torch_dist checkpoint ({FORMAT_FILE}) nor a torch one (mp_rank_*)")
     if found != args.ckpt_format and not args.auto_detect_ckpt_format:
         raise ValueError(f"{path} is a {found}-format checkpoint but --ckpt-format is {args.ckpt_format}: "
                          f"pass --ckpt-format {found} or --auto-detect-ckpt-format")
@@ -294,12 +317,12 @@ def load_checkpoint(args, state, pgs) -> bool:
     """Fill `state` from the latest torch-format checkpoint under --load. False when there is none.
     A released model (tracker `release`) or --finetune loads the model only, and training starts
     afresh from it: iteration 0, a new optimizer, schedule, RNG and data position (Megatron's rule)."""
-    path = latest_checkpoint(args.load)
+    path = loaded_checkpoint(args)
     if path is None:
         return False
     rank_dir = os.path.join(path, rank_dir_name(pgs))
     obj = torch.load(os.path.join(rank_dir, "model_optim_rng.pt"), map_location="cpu", weights_only=False)
-    check_args(recorded(obj["args"]), args)
+    check_args(recorded(obj.get("args")), args)
     for key, model in zip(model_keys(state.model), unwrap(state.model)):
         model.load_state_dict(_in_model_names(model, obj[key]), strict=True)
     state.optimizer.reload_model_params()
@@ -307,7 +330,7 @@ def load_checkpoint(args, state, pgs) -> bool:
         return True
     if not args.no_load_optim:
         _load_optimizer(args, state, obj, rank_dir, pgs)
-        state.scheduler.load_state_dict(obj[SCHEDULE])  # check_schedule compared it at start-up
+        state.scheduler.load_state_dict(schedule_in(obj))  # check_schedule compared it at start-up
     _load_progress(args, state, obj, pgs)
     return True
 
@@ -315,7 +338,7 @@ def load_checkpoint(args, state, pgs) -> bool:
 def model_only(args, path: str) -> bool:
     """Megatron's rule: a released model (tracker `release`) or --finetune loads the weights only, and
     training starts afresh from them: iteration 0, a new optimizer, schedule, RNG and data position."""
-    return os.path.basename(path) == RELEASE or args.finetune
+    return os.path.basename(path) in (RELEASE, RELEASE + PREVIOUS) or args.finetune
 
 
 def loads_schedule(args, path: str) -> bool:
@@ -350,7 +373,7 @@ def _load_progress(args, state, obj: dict, pgs) -> None:
     if not args.no_load_rng and "rng_state" in obj:
         load_rng_state_dict(replica_rng_state(obj["rng_state"], pgs))
     state.iteration = obj["iteration"]
-    load_position(state, obj["args"])
+    load_position(state, obj.get("args"))
     state.flops_so_far = obj.get("num_floating_point_operations_so_far", 0)
     # Megatron-LM keeps its machine's state in torch_dist checkpoints only: absent, nothing to rerun
     restore_states(state.rerun, obj.get("rerun_state_machine"), log=print_rank_0)
@@ -370,12 +393,20 @@ def recorded_args(path: str, pgs) -> dict:
         raise ValueError(f"{path} has no {rank_dir_name(pgs)}/model_optim_rng.pt: a torch-format checkpoint loads "
                          f"under the tensor / pipeline sizes that saved it (torch_dist loads under any)")
     obj = torch.load(file, map_location="cpu", weights_only=False, mmap=True)
-    return {**recorded(obj["args"]), SCHEDULE: obj.get(SCHEDULE)}
+    return {**recorded(obj.get("args")), SCHEDULE: schedule_in(obj)}
 
 
-def recorded(namespace: argparse.Namespace) -> dict:
-    """The MUST_MATCH and DESCRIBED values of a checkpoint's `args`. Without GQA, Megatron's
-    num_query_groups means nothing: every head is its own group, as this trainer records it."""
+def schedule_in(obj: dict) -> Optional[dict]:
+    """The scheduler state, under its name before Megatron renamed it too."""
+    return obj.get(SCHEDULE, obj.get("lr_scheduler"))
+
+
+def recorded(namespace: Optional[argparse.Namespace]) -> dict:
+    """The MUST_MATCH and DESCRIBED values of a checkpoint's `args` (none when it has none, as
+    Megatron's loader allows). Without GQA, Megatron's num_query_groups means nothing: every head
+    is its own group, as this trainer records it."""
+    if namespace is None:
+        return {}
     saved = {k: getattr(namespace, k) for k in MUST_MATCH + DESCRIBED if hasattr(namespace, k)}
     if not getattr(namespace, "group_query_attention", False):
         saved["num_query_groups"] = namespace.num_attention_heads

@@ -349,8 +349,9 @@ def load_checkpoint(args, state, pgs, path: str) -> None:
         raise CheckpointError(f"{path} holds no optimizer state: load with --no-load-optim")
     targets = _load_targets(state.optimizer) if load_optim else None
     # RNG streams belong to ranks: a run with another layout starts its own (as Megatron does).
-    rng = (common["rng_saved"] and not args.no_load_rng and not model_only(args, path)
-           and common["layout"] == _layout(pgs))
+    # Megatron-LM's own checkpoints record neither (their RNG object is laid out otherwise): not read
+    rng = (common.get("rng_saved", False) and not args.no_load_rng and not model_only(args, path)
+           and common.get("layout") == _layout(pgs))
     sharded = _sharded(state, pgs, targets, rng, state.optimizer.reads_first)
     loaded = dist_checkpointing.load(sharded, path, _load_strategy(args, pgs), strict=args.dist_ckpt_strictness)
     if isinstance(loaded, tuple):  # the return_* strictness modes also hand back the mismatches

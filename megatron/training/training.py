@@ -24,8 +24,9 @@ from megatron.longseq.pipeline.seq1f1b import Pipeline, forward_backward_seq1f1b
 from megatron.training.arguments import ArgsError, parse
 from megatron.training import dist_ckpt
 from megatron.training.checkpointing import (
-    SCHEDULE, CheckpointError, carry_model_card, check_args, check_schedule, checkpoint_format, latest_checkpoint,
-    load_checkpoint, loads_schedule, recorded_args, same_tracker_everywhere, save_checkpoint, schedule_of)
+    SCHEDULE, TRACKER, CheckpointError, carry_model_card, check_args, check_schedule, checkpoint_format,
+    load_checkpoint, loaded_checkpoint, loads_schedule, recorded_args, same_tracker_everywhere, save_checkpoint,
+    schedule_of)
 from megatron.training.data import build_loader, train_valid_test_num_samples
 from megatron.training.exits import ExitWatch
 from megatron.training.distributed import GradBuffer
@@ -42,7 +43,7 @@ from megatron.training.rerun import (
 )
 from megatron.training.timers import Timers
 from megatron.training.tokenizer import build_tokenizer
-from megatron.training.validate import padded_vocab_size, validate_args, world_size_from_env
+from megatron.training.validate import convert_target, padded_vocab_size, validate_args, world_size_from_env
 
 
 @dataclass
@@ -443,7 +444,10 @@ def check_load(args, pgs) -> None:
     error = ""
     try:
         same_tracker_everywhere(args.load)
-        path = latest_checkpoint(args.load)
+        path = loaded_checkpoint(args)
+        if path is None and (args.exit_on_missing_checkpoint or args.ckpt_convert_format):
+            # converting nothing would write a random initialisation as "the converted checkpoint"
+            raise ValueError(f"no checkpoint ({TRACKER} names none): is --load the run's directory?")
         if path is not None:
             sharded = checkpoint_format(path, args) == "torch_dist"
             saved = dist_ckpt.recorded_args(path) if sharded else recorded_args(path, pgs)
@@ -462,7 +466,7 @@ def check_load(args, pgs) -> None:
 def load_and_report(args, state, pgs) -> None:
     """Resume from the checkpoint the tracker under --load points at, in whichever format it is
     allowed to be (see checkpoint_format)."""
-    path = latest_checkpoint(args.load)
+    path = loaded_checkpoint(args)
     if path is None:
         print_rank_0(f"WARNING: no checkpoint under {args.load}; starting from random initialisation")
         return
@@ -479,7 +483,7 @@ def load_and_report(args, state, pgs) -> None:
 def convert_and_exit(args, state, pgs) -> None:
     """Megatron's --ckpt-convert-format: the loaded checkpoint saved again, in that format, under
     --ckpt-convert-save; the run ends there (no data, no training)."""
-    args.ckpt_format, args.save, args.async_save = args.ckpt_convert_format, args.ckpt_convert_save, False
+    args.ckpt_format, args.save, args.async_save = args.ckpt_convert_format, convert_target(args), False
     if args.ckpt_format == "torch_dist":
         state.saver = dist_ckpt.CheckpointSaver(args, pgs, device_of(args))
     save_and_report(args, state, pgs)

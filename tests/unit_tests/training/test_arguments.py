@@ -316,6 +316,19 @@ def test_per_split_corpora_are_checked_before_any_work(tmp_path):
     assert error_of(f"--train-data-path {empty}", base=base) == f"--train-data-path: {empty} holds no documents"
 
 
+def test_a_conversion_writes_under_its_format_and_never_over_its_source(tmp_path):
+    """Megatron's --ckpt-convert-save DIR receives DIR/<format>; one that is --load itself is refused
+    (the save would replace the iteration it reads)."""
+    from megatron.training.validate import convert_target
+
+    (tmp_path / "torch_dist").mkdir()
+    args = args_for(f"--load {tmp_path} --ckpt-convert-format torch_dist --ckpt-convert-save {tmp_path}")
+    assert convert_target(args) == f"{tmp_path}/torch_dist"
+    assert error_of(f"--load {tmp_path}/torch_dist --ckpt-convert-format torch_dist --ckpt-convert-save {tmp_path}") == (
+        f"--ckpt-convert-save would write the converted checkpoint over --load {tmp_path}/torch_dist")
+    assert error_of("--ckpt-step 3") == "--ckpt-step needs --load and an iteration >= 0"
+
+
 def test_a_saved_plan_of_another_format_is_refused(tmp_path):
     old = tmp_path / "plan.json"
     old.write_text('{"format": "memo-plan-1", "windows": {}}')

@@ -32,7 +32,7 @@ def _one_rank_cannot_read_its_files(root):
 
     args, pgs = tiny_args(f"--load {root}", world_size=2), grid_groups()
     training.same_tracker_everywhere = lambda root: None
-    training.latest_checkpoint = lambda root: os.path.join(root, "iter_0000007")
+    training.loaded_checkpoint = lambda args: os.path.join(args.load, "iter_0000007")
     training.checkpoint_format = lambda path, args: "torch"
 
     def recorded(path, pgs):  # a torch-format checkpoint whose second tp file is missing
@@ -85,8 +85,8 @@ def test_a_changed_schedule_is_one_line_before_anything_is_built(tmp_path, fmt):
     longer = f"--load {tmp_path} --ckpt-format {fmt} --bf16 --train-iters 12 --lr 2e-3"
     with pytest.raises(ArgsError, match=(
             r"schedule is not the checkpoint's \(--lr 0.002 here, 0.001 in the checkpoint, LR decay samples 24 "
-            r"here, 20 in the checkpoint, weight-decay samples \(--train-iters x --global-batch-size\) 24 here, "
-            r"20 in the checkpoint\): pass --use-checkpoint-opt_param-scheduler .* or --override-opt_param-scheduler")):
+            r"here, 20 in the checkpoint, weight-decay samples \(--train-samples, or --train-iters x "
+            r"--global-batch-size\) 24 here, 20 in the checkpoint\): pass --use-checkpoint-opt_param-scheduler .* or --override-opt_param-scheduler")):
         check_load(tiny_args(longer), pgs)
     for way in ("--use-checkpoint-opt_param-scheduler", "--override-opt_param-scheduler", "--finetune",
                 "--no-load-optim"):
@@ -180,3 +180,43 @@ def test_a_released_torch_dist_checkpoint_loads_the_model_only(tmp_path):
     assert (released.iteration, released.consumed_train_samples, released.scheduler.num_steps) == (0, 0, 0)
     assert released.optimizer.adam_steps() == 0
     assert torch.equal(released.optimizer.buffer.param_data, state.optimizer.buffer.param_data)
+
+
+def test_a_missing_checkpoint_is_one_line_where_the_run_needs_one(tmp_path):
+    """--exit-on-missing-checkpoint and --ckpt-convert-format stop at start-up when --load holds no
+    checkpoint (an iteration directory given for the run's, say), where a plain run starts afresh;
+    --ckpt-step loads the iteration it names, and a directory that is not there is said as such."""
+    from megatron.training.arguments import ArgsError
+    from megatron.training.training import check_load
+
+    args, pgs = _saved(tmp_path, "torch")
+    inner = checkpointing.latest_checkpoint(str(tmp_path))
+    check_load(tiny_args(f"--load {inner}"), pgs)  # nothing to load: a fresh start
+    for extra in ("--exit-on-missing-checkpoint", f"--ckpt-convert-format torch_dist --ckpt-convert-save {tmp_path}/c"):
+        with pytest.raises(ArgsError, match=f"^--load {inner}: no checkpoint \\(latest_checkpointed_iteration.txt "
+                                            "names none\\): is --load the run's directory\\?$"):
+            check_load(tiny_args(f"--load {inner} {extra}"), pgs)
+    assert checkpointing.loaded_checkpoint(tiny_args(f"--load {tmp_path} --ckpt-step 0")) == inner
+    with pytest.raises(ArgsError, match=f"no checkpoint directory {tmp_path}/iter_0000007 \\(named by the tracker, "
+                                        "or --ckpt-step\\)"):
+        check_load(tiny_args(f"--load {tmp_path} --ckpt-step 7"), pgs)
+    os.makedirs(tmp_path / "iter_0000008")
+    with pytest.raises(ArgsError, match="iter_0000008 holds neither a torch_dist checkpoint .* nor a torch one"):
+        check_load(tiny_args(f"--load {tmp_path} --ckpt-step 8"), pgs)
+
+
+def test_a_checkpoint_without_args_or_with_the_old_schedule_key_loads(tmp_path):
+    """Megatron's loader takes a torch checkpoint without `args` (nothing to compare) and reads the
+    schedule under its old name `lr_scheduler`."""
+    from megatron.training.training import check_load, load_and_report
+
+    args, pgs = _saved(tmp_path, "torch")
+    file = os.path.join(checkpointing.latest_checkpoint(str(tmp_path)), "mp_rank_00", "model_optim_rng.pt")
+    obj = torch.load(file, weights_only=False)
+    del obj["args"]
+    obj["lr_scheduler"] = obj.pop(checkpointing.SCHEDULE)
+    torch.save(obj, file)
+    check_load(args, pgs)
+    _, _, state = make_state(tmp_path, "--ckpt-format torch")
+    load_and_report(args, state, pgs)
+    assert state.scheduler.num_steps == obj["lr_scheduler"]["num_steps"]

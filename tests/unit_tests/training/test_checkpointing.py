@@ -64,6 +64,33 @@ def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["iter_0000001", "iter_0000002", TRACKER]
 
 
+def test_a_crash_while_saving_an_iteration_again_keeps_the_first_copy(tmp_path, monkeypatch):
+    """A requeued run that finished saves its last iteration again (the tracker already names it):
+    the old copy is moved aside, not deleted, until the new one is in place, and a load finds it
+    if the save died in between."""
+    args, pgs, state = make_state(tmp_path)
+    train_one_step(state, args)
+    save_checkpoint(args, state, pgs)
+    good = {k: v.clone() for k, v in state.model[0].state_dict().items() if torch.is_tensor(v)}
+    real_rename = os.rename
+
+    def crash_on_publish(src, dst):
+        if src.endswith(".tmp"):
+            raise KeyboardInterrupt("killed")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(checkpointing.os, "rename", crash_on_publish)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(args, state, pgs)
+    monkeypatch.setattr(checkpointing.os, "rename", real_rename)
+    assert read_tracker(str(tmp_path)) == 1 and not os.path.exists(tmp_path / "iter_0000001")
+    _, _, fresh = make_state(tmp_path)
+    assert load_checkpoint(args, fresh, pgs) and fresh.iteration == 1
+    assert all(torch.equal(v, good[k]) for k, v in fresh.model[0].state_dict().items() if torch.is_tensor(v))
+    save_checkpoint(args, state, pgs)  # lands, and the copy moved aside goes
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000001", TRACKER]
+
+
 def test_load_restores_model_optimizer_schedule_and_position(tmp_path):
     args, pgs, state = make_state(tmp_path)
     for _ in range(2):

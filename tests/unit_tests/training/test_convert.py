@@ -387,7 +387,7 @@ def test_pretrain_converts_a_converted_checkpoint_to_torch_dist(tmp_path):
         f"--micro-batch-size 1 --train-iters 1 --lr 1e-4 --tokenizer-type NullTokenizer --vocab-size {VOCAB - 1} "
         f"--num-workers 0").split())
     assert "to torch_dist under" in out and "building train" not in out
-    _assert_exports_to(tmp_path / "dist", hf_dir, tmp_path)
+    _assert_exports_to(tmp_path / "dist" / "torch_dist", hf_dir, tmp_path)  # Megatron's DIR/<format>
 
 
 # ---- tools/passkey_eval.py: the context-extension example's table -------------------------------

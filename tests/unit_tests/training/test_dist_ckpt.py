@@ -353,3 +353,24 @@ def test_a_failed_write_on_one_rank_raises_on_every_rank(tmp_path, fmt, where):
     from tests.unit_tests.dist_utils import run_ranks
 
     run_ranks(_check_a_failed_write_on_one_rank_raises_on_every_rank, 2, str(tmp_path), fmt, where)
+
+
+def test_a_megatron_lm_common_state_loads(tmp_path):
+    """Megatron-LM's common.pt holds args, iteration, schedule and FLOPs, not this trainer's RNG
+    layout or Adam steps: the model loads (its RNG is not read), the position carries on, and the
+    optimizer state that is not there is asked for in one line."""
+    args, pgs, state = saver_state(tmp_path)
+    train_one_step(state, args)
+    path = state.saver.save(state)
+    state.saver.finish(blocking=True)
+    common = torch.load(os.path.join(path, "common.pt"), weights_only=False)
+    for key in ("rng_saved", "layout", "optimizer_steps"):
+        del common[key]
+    torch.save(common, os.path.join(path, "common.pt"))
+    fresh_args, _, fresh = make_state(tmp_path, "--no-load-optim")
+    load_checkpoint(fresh_args, fresh, pgs, path)
+    assert (fresh.iteration, fresh.consumed_train_samples) == (1, state.consumed_train_samples)
+    saved = state.model[0].state_dict()
+    assert all(torch.equal(v, saved[k]) for k, v in fresh.model[0].state_dict().items() if torch.is_tensor(v))
+    with pytest.raises(ValueError, match="holds no optimizer state: load with --no-load-optim"):
+        load_checkpoint(args, make_state(tmp_path)[2], pgs, path)
