@@ -134,7 +134,8 @@ def _data(p):
     g.add_argument("--split", type=str, default=None)
     for name in ("train", "valid", "test"):
         g.add_argument(f"--{name}-data-path", nargs="*", default=None,
-                       help=f"the {name} split's own corpus ('prefix ...' or 'weight prefix ...'), instead of --data-path")
+                       help=f"the {name} split's own corpus ('prefix ...' or 'weight prefix ...'), "
+                            "instead of --data-path")
     g.add_argument("--data-cache-path", type=str, default=None)
     g.add_argument("--tokenizer-type", choices=["NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer"],
                    default="GPT2BPETokenizer")

@@ -1,5 +1,5 @@
-"""Loss scaling for --fp16 (and a fixed --loss-scale under bf16), by Megatron's rules, on any device (megatron-core's scalers keep their
-state on CUDA).
+"""Loss scaling for --fp16 (and a fixed --loss-scale under bf16), by Megatron's rules, on any
+device (megatron-core's scalers keep their state on CUDA).
 
 fp16 keeps 5 exponent bits: gradients smaller than 2^-24 flush to zero. The loss is multiplied by
 `scale` before backward and the fp32 main gradients divided by it before the step. A step whose

@@ -368,7 +368,8 @@ def _schedule_args(args):
     decay, warmup = _train_iters(args) if args.train_samples is None else _train_samples(args)
     require(args.train_iters > 0, f"--train-iters must be positive, got {args.train_iters}")
     require(args.lr >= args.min_lr >= 0.0, f"need --lr {args.lr} >= --min-lr {args.min_lr} >= 0")
-    require(0.0 <= args.lr_warmup_init <= args.lr, f"need 0 <= --lr-warmup-init {args.lr_warmup_init} <= --lr {args.lr}")
+    require(0.0 <= args.lr_warmup_init <= args.lr,
+            f"need 0 <= --lr-warmup-init {args.lr_warmup_init} <= --lr {args.lr}")
     if args.decoupled_lr is not None:
         low = args.decoupled_min_lr if args.decoupled_min_lr is not None else args.min_lr
         require(args.decoupled_lr >= low >= 0.0,

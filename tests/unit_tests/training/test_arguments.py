@@ -324,7 +324,8 @@ def test_a_conversion_writes_under_its_format_and_never_over_its_source(tmp_path
     (tmp_path / "torch_dist").mkdir()
     args = args_for(f"--load {tmp_path} --ckpt-convert-format torch_dist --ckpt-convert-save {tmp_path}")
     assert convert_target(args) == f"{tmp_path}/torch_dist"
-    assert error_of(f"--load {tmp_path}/torch_dist --ckpt-convert-format torch_dist --ckpt-convert-save {tmp_path}") == (
+    over = f"--load {tmp_path}/torch_dist --ckpt-convert-format torch_dist --ckpt-convert-save {tmp_path}"
+    assert error_of(over) == (
         f"--ckpt-convert-save would write the converted checkpoint over --load {tmp_path}/torch_dist")
     assert error_of("--ckpt-step 3") == "--ckpt-step needs --load and an iteration >= 0"
 

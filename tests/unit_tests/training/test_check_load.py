@@ -86,7 +86,8 @@ def test_a_changed_schedule_is_one_line_before_anything_is_built(tmp_path, fmt):
     with pytest.raises(ArgsError, match=(
             r"schedule is not the checkpoint's \(--lr 0.002 here, 0.001 in the checkpoint, LR decay samples 24 "
             r"here, 20 in the checkpoint, weight-decay samples \(--train-samples, or --train-iters x "
-            r"--global-batch-size\) 24 here, 20 in the checkpoint\): pass --use-checkpoint-opt_param-scheduler .* or --override-opt_param-scheduler")):
+            r"--global-batch-size\) 24 here, 20 in the checkpoint\): pass --use-checkpoint-opt_param-scheduler .* "
+            r"or --override-opt_param-scheduler")):
         check_load(tiny_args(longer), pgs)
     for way in ("--use-checkpoint-opt_param-scheduler", "--override-opt_param-scheduler", "--finetune",
                 "--no-load-optim"):

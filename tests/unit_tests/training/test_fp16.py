@@ -57,7 +57,8 @@ def test_loss_scale_flags_build_megatrons_scaler():
     from tests.unit_tests.training.test_arguments import error_of
 
     args = tiny_args("--bf16 --loss-scale 1024")
-    assert (loss_scaler(args).scale, loss_scaler(args).dynamic, args.check_for_nan_in_loss_and_grad) == (1024, False, True)
+    scaler = loss_scaler(args)
+    assert (scaler.scale, scaler.dynamic, args.check_for_nan_in_loss_and_grad) == (1024, False, True)
     args = tiny_args("--fp16")
     assert loss_scaler(args).dynamic and not args.check_for_nan_in_loss_and_grad
     assert tiny_args("--fp16 --loss-scale 8").check_for_nan_in_loss_and_grad  # a fixed scale: Megatron keeps them
