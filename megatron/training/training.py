@@ -38,9 +38,7 @@ from megatron.training.model import fusions, logits_line, params_dtype, unwrap
 from megatron.training.optimizer import DistributedAdam
 from megatron.training.profiling import StepProfiler, start_memory_history
 from megatron.training.reporting import Reporter
-from megatron.training.rerun import (
-    GRAD_CHECKS, Injector, Replay, RerunMachine, loss_checks, this_device,
-)
+from megatron.training.rerun import GRAD_CHECKS, Injector, Replay, RerunMachine, loss_checks, this_device
 from megatron.training.timers import Timers
 from megatron.training.tokenizer import build_tokenizer
 from megatron.training.validate import convert_target, padded_vocab_size, validate_args, world_size_from_env
