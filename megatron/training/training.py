@@ -267,13 +267,13 @@ def _rerun_exit(args, state: TrainState, pgs, save: bool, exit_code: int) -> Non
 
 
 def report_determinism(rerun: RerunMachine, iteration: int) -> None:
-    """--rerun-mode report_stats: how far every loss of the last iterations' reruns moved, over
-    all ranks (collective)."""
+    """--rerun-mode report_stats: how far every checked value (each micro-batch's loss, each rank's
+    gradient norm) of the last iterations' reruns moved, over all ranks (collective)."""
     stats = [None] * dist.get_world_size()
     dist.all_gather_object(stats, rerun.stats())
     compared, largest = sum(n for n, _ in stats), max(d for _, d in stats)
-    print_rank_0(f"rerun: determinism up to iteration {iteration}: {compared} losses run twice, largest relative "
-                 f"difference {largest:.3e}")
+    print_rank_0(f"rerun: determinism up to iteration {iteration}: {compared} checked values run twice, largest "
+                 f"relative difference {largest:.3e}")
 
 
 def _train_mode(chunks, training: bool) -> None:

@@ -426,7 +426,8 @@ def test_rerun_report_stats_runs_every_iteration_twice_and_changes_nothing(runs)
     twice = run_case(case, runs.workdir, ["--rerun-mode", "report_stats"])
     assert twice == runs(case.name)
     assert twice.log.count("rerun: determinism up to iteration") == TRAIN_ITERS
-    assert f"determinism up to iteration {TRAIN_ITERS}: 4 losses run twice, largest relative difference " \
+    # 4 micro-batch losses and the gradient norm of the one rank
+    assert f"determinism up to iteration {TRAIN_ITERS}: 5 checked values run twice, largest relative difference " \
            "0.000e+00" in twice.log
 
 
