@@ -49,7 +49,7 @@ from megatron.longseq.random import load_rng_state_dict, rng_state_dict
 from megatron.training.rerun import gathered_states, restore_states
 from megatron.training.checkpointing import (
     CHECKPOINT_VERSION, LAYOUT_ARGS, SCHEDULE, CheckpointError, check_args, fresh_dir, iteration_dir, load_position,
-    loads_schedule, model_keys, model_only, on_rank_0, publish, recorded, saved_args)
+    loads_schedule, model_keys, model_only, on_rank_0, publish, recorded, replica_rng_state, saved_args)
 from megatron.training.metrics import print_rank_0
 from megatron.training.model import unwrap
 from megatron.training.optimizer import MODEL_SPACE
@@ -145,10 +145,32 @@ def _optimizer_sharded(chunks, model_sd: dict, states: dict, reads) -> dict:
     return out
 
 
-def _rng_sharded(pgs) -> ShardedObject:
-    # Every rank's own streams; only meaningful to a run with the same layout (see load_checkpoint).
-    world, rank = dist.get_world_size(), dist.get_rank()
-    return ShardedObject("rng_state", rng_state_dict(), (world,), (rank,), replica_id=0)
+# How the RNG object is laid out: "pp,tp" as Megatron-LM (one entry per pipeline and tensor rank,
+# their dp x cp replicas drawing the same streams), so any rank order and any dp x cp resumes it;
+# "rank" (one per global rank, written before) only resumes the same grid in the same order.
+RNG_BY = "pp,tp"
+
+
+def _rng_sharded(pgs, by: str) -> ShardedObject:
+    if by == "rank":
+        world, rank = dist.get_world_size(), dist.get_rank()
+        return ShardedObject("rng_state", rng_state_dict(), (world,), (rank,), replica_id=0)
+    shape, offset = (pgs.size("pp"), pgs.size("tp")), (pgs.index("pp"), pgs.index("tp"))
+    # Megatron's list of per-replica states (see checkpointing.replica_rng_state)
+    return ShardedObject("rng_state", [rng_state_dict()], shape, offset, replica_id=pgs.index("dp_cp"))
+
+
+def _rng_layout(args, path: str, common: dict, pgs) -> Optional[str]:
+    """The layout to read the checkpoint's RNG streams by, or None when this run starts its own:
+    none saved, --no-load-rng, a model-only load, or another pipeline or tensor split (the streams
+    belong to those ranks; Megatron-LM's own checkpoints record none: not read)."""
+    if not common.get("rng_saved", False) or args.no_load_rng or model_only(args, path):
+        return None
+    saved = common.get("layout") or {}
+    if common.get("rng_layout") == RNG_BY:
+        return RNG_BY if all(saved.get(axis) == pgs.size(axis) for axis in ("pp", "tp")) else None
+    # written by global rank; rank order is not recorded, --use-tp-pp-dp-mapping must be unchanged
+    return "rank" if saved == _layout(pgs) else None
 
 
 def _common(args, state, pgs) -> dict:
@@ -161,6 +183,7 @@ def _common(args, state, pgs) -> dict:
         SCHEDULE: state.scheduler.state_dict(),
         "num_floating_point_operations_so_far": state.flops_so_far,
         "rng_saved": not args.no_save_rng,
+        "rng_layout": RNG_BY,
     }
     rerun = gathered_states(state.rerun)
     if rerun is not None:
@@ -172,16 +195,16 @@ def _common(args, state, pgs) -> dict:
     return common
 
 
-def _sharded(state, pgs, states: Optional[dict], rng: bool, reads) -> dict:
+def _sharded(state, pgs, states: Optional[dict], rng: Optional[str], reads) -> dict:
     """The tensors (and per-rank objects), each placed in the whole model; the optimizer's when
-    `states` is given (see _optimizer_sharded)."""
+    `states` is given (see _optimizer_sharded), the RNG streams laid out by `rng` when given."""
     chunks = unwrap(state.model)
     model_sd = _model_sharded(chunks, pgs)
     sd = dict(model_sd)
     if states is not None:
         sd["optimizer"] = _optimizer_sharded(chunks, model_sd, states, reads)
     if rng:
-        sd["rng_state"] = _rng_sharded(pgs)
+        sd["rng_state"] = _rng_sharded(pgs, rng)
     return sd
 
 
@@ -207,7 +230,7 @@ class CheckpointSaver:
         on_rank_0(lambda: fresh_dir(tmp))
         writes = state.optimizer.writes
         states = None if args.no_save_optim else state.optimizer.param_space_state(writes)
-        sd = {**_common(args, state, self.pgs), **_sharded(state, self.pgs, states, not args.no_save_rng, writes)}
+        sd = {**_common(args, state, self.pgs), **_sharded(state, self.pgs, states, None if args.no_save_rng else RNG_BY, writes)}
         request = dist_checkpointing.save(sd, tmp, self.strategy, async_sharded_save=True)
         self._start(request, state.iteration, on_done)
         if not args.async_save:
@@ -348,10 +371,7 @@ def load_checkpoint(args, state, pgs, path: str) -> None:
     if load_optim and "optimizer_steps" not in common:
         raise CheckpointError(f"{path} holds no optimizer state: load with --no-load-optim")
     targets = _load_targets(state.optimizer) if load_optim else None
-    # RNG streams belong to ranks: a run with another layout starts its own (as Megatron does).
-    # Megatron-LM's own checkpoints record neither (their RNG object is laid out otherwise): not read
-    rng = (common.get("rng_saved", False) and not args.no_load_rng and not model_only(args, path)
-           and common.get("layout") == _layout(pgs))
+    rng = _rng_layout(args, path, common, pgs)
     sharded = _sharded(state, pgs, targets, rng, state.optimizer.reads_first)
     loaded = dist_checkpointing.load(sharded, path, _load_strategy(args, pgs), strict=args.dist_ckpt_strictness)
     if isinstance(loaded, tuple):  # the return_* strictness modes also hand back the mismatches
@@ -371,7 +391,8 @@ def load_checkpoint(args, state, pgs, path: str) -> None:
     if load_optim:
         state.scheduler.load_state_dict(common[SCHEDULE])  # compared at start-up (check_schedule)
     if rng:
-        load_rng_state_dict(loaded["rng_state"])
+        streams = loaded["rng_state"]
+        load_rng_state_dict(streams if rng == "rank" else replica_rng_state(streams, pgs))
     state.iteration = common["iteration"]
     load_position(state, common["args"])
     state.flops_so_far = common["num_floating_point_operations_so_far"]

@@ -138,6 +138,9 @@ def _check_rope_scaling(args):
 
 def _parallel_args(args, world_size):
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                 "num_distributed_optimizer_instances"):  # by flag name here, not the grid's axis names
+        guard(getattr(args, name) >= 1, f"{flag(name)} must be >= 1, got {getattr(args, name)}")
     _device_args(args)  # first: later checks of every group read the device
     args.head_parallel_size, args.ring_size = _cp_split(args, cp)
     try:
@@ -204,6 +207,7 @@ def _cp_split(args, cp):
         return (cp, 1) if mode == "a2a" else (1, cp)
     guard(sizes is not None and len(sizes) == 2,
           "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes HEAD_PARALLEL RING")
+    guard(min(sizes) >= 1, f"--hierarchical-context-parallel-sizes must be >= 1, got {sizes[0]} {sizes[1]}")
     guard(sizes[0] * sizes[1] == cp,
           f"--hierarchical-context-parallel-sizes {sizes[0]} x {sizes[1]} = {sizes[0] * sizes[1]} "
           f"differs from --context-parallel-size {cp}")

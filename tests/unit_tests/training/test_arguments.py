@@ -142,6 +142,10 @@ def test_padded_vocab_matches_megatron():
     ("--context-parallel-size 4 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 4", 4,
      "--hierarchical-context-parallel-sizes 2 x 4 = 8 differs from --context-parallel-size 4"),
     ("--context-parallel-size 4 --cp-comm-type a2a+p2p", 4, "needs --hierarchical-context-parallel-sizes"),
+    ("--context-parallel-size 2 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes -1 -2", 2,
+     "--hierarchical-context-parallel-sizes must be >= 1, got -1 -2"),  # their product alone passes
+    ("--tensor-model-parallel-size 0", 1, "--tensor-model-parallel-size must be >= 1, got 0"),
+    ("--pipeline-model-parallel-size -1", 1, "--pipeline-model-parallel-size must be >= 1, got -1"),
     ("--context-parallel-size 2 --hierarchical-context-parallel-sizes 1 2", 2,
      "--hierarchical-context-parallel-sizes needs --cp-comm-type a2a+p2p"),
     ("--context-parallel-size 8 --cp-inner-ring-size 3 --seq-length 128", 8, "inner ring size 3 does not divide the ring size 8"),

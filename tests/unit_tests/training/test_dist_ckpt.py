@@ -364,7 +364,7 @@ def test_a_megatron_lm_common_state_loads(tmp_path):
     path = state.saver.save(state)
     state.saver.finish(blocking=True)
     common = torch.load(os.path.join(path, "common.pt"), weights_only=False)
-    for key in ("rng_saved", "layout", "optimizer_steps"):
+    for key in ("rng_saved", "rng_layout", "layout", "optimizer_steps"):
         del common[key]
     torch.save(common, os.path.join(path, "common.pt"))
     fresh_args, _, fresh = make_state(tmp_path, "--no-load-optim")
@@ -374,3 +374,56 @@ def test_a_megatron_lm_common_state_loads(tmp_path):
     assert all(torch.equal(v, saved[k]) for k, v in fresh.model[0].state_dict().items() if torch.is_tensor(v))
     with pytest.raises(ValueError, match="holds no optimizer state: load with --no-load-optim"):
         load_checkpoint(args, make_state(tmp_path)[2], pgs, path)
+
+
+def _stage_streams_follow_their_stage(tmp_dir, order, phase):
+    """Each pipeline stage draws from its own streams (seed + 100 x stage): after a load, rank r
+    draws what its stage of the saving run would have, whatever stage r was there."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.longseq.parallel_state import RankGrid, build_process_groups
+    from megatron.longseq.random import load_rng_state_dict, seed_everything
+    from megatron.training.checkpointing import replica_rng_state
+    from megatron.training.dist_ckpt import RNG_BY, HostStagedTorchDistSave, _rng_sharded
+
+    pgs = build_process_groups(RankGrid(dist.get_world_size(), pp=2, order=order), 1, interleaved=False)
+    stage = pgs.index("pp")
+    seed_everything(1234 + 100 * stage, pgs.index("tp"), torch.device("cpu"))
+    torch.rand(stage + 1)  # the stages' streams are at different places when saved
+    if phase == "save":
+        strategy = HostStagedTorchDistSave("torch_dist", 1)
+        dist_checkpointing.save({"rng_state": _rng_sharded(pgs, RNG_BY)}, tmp_dir, strategy)
+        return
+    expected = torch.rand(3)
+    seed_everything(0, 0, torch.device("cpu"))
+    loaded = dist_checkpointing.load({"rng_state": _rng_sharded(pgs, RNG_BY)}, tmp_dir)
+    load_rng_state_dict(replica_rng_state(loaded["rng_state"], pgs))
+    assert torch.equal(torch.rand(3), expected), f"rank {dist.get_rank()} (stage {stage}) got another stage's streams"
+
+
+def test_rng_streams_resume_under_another_rank_order(tmp_path):
+    """Saved under the default order, loaded with --use-tp-pp-dp-mapping's (pp 2 x dp 2: ranks 1
+    and 2 swap stages): the streams are filed by (pp, tp) rank as Megatron-LM files them, not by
+    global rank, so each rank takes its own stage's."""
+    from tests.unit_tests.dist_utils import run_ranks
+
+    run_ranks(_stage_streams_follow_their_stage, 4, str(tmp_path), "tp-cp-dp-pp", "save")
+    run_ranks(_stage_streams_follow_their_stage, 4, str(tmp_path), "tp-cp-pp-dp", "load")
+
+
+def test_rng_is_read_when_its_ranks_are_the_same():
+    """By (pp, tp) rank: any dp x cp takes the streams (its replicas draw the same), another pipeline
+    or tensor split starts its own. By global rank (written before): the same layout only."""
+    from types import SimpleNamespace
+    from megatron.training.dist_ckpt import _rng_layout
+    from tests.unit_tests.dist_utils import grid_groups
+
+    args = SimpleNamespace(no_load_rng=False, finetune=False, no_load_optim=False)
+    pgs = grid_groups()  # one rank
+    ours = {"rng_saved": True, "rng_layout": "pp,tp", "layout": {"tp": 1, "pp": 1, "dp": 4, "cp": 2}}
+    assert _rng_layout(args, "ckpt", ours, pgs) == "pp,tp"
+    assert _rng_layout(args, "ckpt", {**ours, "layout": {"tp": 2, "pp": 1, "dp": 2, "cp": 1}}, pgs) is None
+    legacy = {"rng_saved": True, "layout": {"tp": 1, "pp": 1, "dp": 1, "cp": 1}}
+    assert _rng_layout(args, "ckpt", legacy, pgs) == "rank"
+    assert _rng_layout(args, "ckpt", {**legacy, "layout": {"tp": 1, "pp": 1, "dp": 2, "cp": 1}}, pgs) is None
+    assert _rng_layout(SimpleNamespace(**{**vars(args), "no_load_rng": True}), "ckpt", ours, pgs) is None
