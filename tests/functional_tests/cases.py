@@ -122,9 +122,10 @@ CASES = [
     Case("gpt_documents_cp2_ulysses", 2, DOCUMENTS + (
         "--position-embedding-type rope --context-parallel-size 2 --cp-comm-type a2a").split(),
         "gpt_documents", data=True),
-    Case("gpt_documents_cp4_2d_context_first", 4, DOCUMENTS + (
+    # head-first here, context-first in gpt_llama_cp4_2d_context_first_selective_checkpoint_pp
+    Case("gpt_documents_cp4_2d_head_first", 4, DOCUMENTS + (
         "--position-embedding-type rope --context-parallel-size 4 --cp-comm-type a2a+p2p "
-        "--hierarchical-context-parallel-sizes 2 2 --cp-placement context-first").split(), "gpt_documents", data=True),
+        "--hierarchical-context-parallel-sizes 2 2 --cp-placement head-first").split(), "gpt_documents", data=True),
     Case("gpt_documents_pp2_cp2_seq1f1b_k2", 4, DOCUMENTS + (
         "--position-embedding-type rope --pipeline-model-parallel-size 2 --context-parallel-size 2 "
         "--pipe-sp-splits 2").split(), "gpt_documents", data=True),
@@ -137,8 +138,8 @@ CASES = [
         "--pipeline-model-parallel-size 2 --context-parallel-size 2 --pipe-sp-splits 2 "
         "--pipe-sp-strategy uniform_comp --memo --memo-swap-fraction 0.5 --memo-planner greedy").split(),
          "gpt_documents_512", data=True),
-    Case("gpt_documents_512_cp4_double_ring_context_first_seq1f1b_k2", 4, DOCUMENTS + SEQ_512 + (
-        "--context-parallel-size 4 --cp-inner-ring-size 2 --cp-placement context-first --pipe-sp-splits 2 "
+    Case("gpt_documents_512_cp4_double_ring_seq1f1b_k2", 4, DOCUMENTS + SEQ_512 + (
+        "--context-parallel-size 4 --cp-inner-ring-size 2 --pipe-sp-splits 2 "
         "--pipe-sp-strategy uniform_comp").split(), "gpt_documents_512", data=True),
     # Context and data parallel together; bf16 beyond one rank (half-precision shards of the
     # distributed optimizer, bf16 activations between stages); MEMO under tensor parallelism.

@@ -49,8 +49,11 @@ def run_ranks(fn, world_size: int, *args) -> None:
 
 def child_env() -> dict:
     """The environment for a child process that builds its own world: without this process's
-    MASTER_ADDR/MASTER_PORT (set by init_single_rank_world, its port still held here)."""
-    return {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    MASTER_ADDR/MASTER_PORT (set by init_single_rank_world, its port still held here), on one
+    thread whatever the caller's OMP_NUM_THREADS, as tests/functional_tests/run.py runs its cases:
+    runs compared bitwise must sum in the same order (the thread count splits CPU reductions)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    return dict(env, OMP_NUM_THREADS="1")
 
 
 def init_single_rank_world() -> None:
