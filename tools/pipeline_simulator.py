@@ -198,6 +198,8 @@ def refused(args):
         return f"--documents runs without interleaving: leave out --chunks {v}"
     if args.documents is not None and args.png:
         return "--documents prints a table and draws no timeline: leave out --png"
+    if v > 1 and p == 1:  # pretrain_gpt.py refuses it (as Megatron does): no rows for a layout that cannot run
+        return f"an interleaved schedule (--chunks {v}) needs --pipeline-size > 1"
     # the table compares against the baseline of one segment: it has to run too
     for splits, what in ((k, ""), (1, f"the baseline 1F1B{'-I' if v > 1 else ''} (--splits 1): ")):
         try:

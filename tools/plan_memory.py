@@ -5,7 +5,8 @@ here, given by pretrain_gpt.py's model flags after `--` (this tool's own flags g
     python tools/plan_memory.py --out plan.json --png plan.png --planner cpsat -- \\
         --num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 1024 \\
         --hidden-dropout 0 --memo --memo-swap-fraction 0.5
-    (flags only training needs default to one step of mock data: see TRAINING_DEFAULTS)
+    (flags only training needs default to one step of mock data: see TRAINING_DEFAULTS; the
+    profile is one iteration as the trainer runs it: every micro-batch, every Seq1F1B segment)
     # or plan a saved trace
     python tools/plan_memory.py --trace trace.json --out plan.json --png plan.png
 
@@ -42,19 +43,16 @@ def with_training_defaults(flags):
 
 
 def profile_model(model_flags, save_trace=None) -> Trace:
-    """One micro-batch of the model on one rank under the allocation tracer (CPU) or torch's
+    """One iteration of the model on one rank under the allocation tracer (CPU) or torch's
     allocator history (on a GPU machine, unless the flags say --distributed-backend gloo): the
     trace is of the device the plan is for."""
     import pretrain_gpt
     from megatron.training.initialize import device_of, initialize_distributed
-    from megatron.training.tokenizer import build_tokenizer
     from megatron.training.training import parse_and_validate, setup
-    from megatron.training.validate import padded_vocab_size
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    args = parse_and_validate(with_training_defaults(model_flags))
+    args = parse_and_validate(with_training_defaults(model_flags))  # sizes the vocabulary as the trainer
     pgs = initialize_distributed(args)
-    args.padded_vocab_size = padded_vocab_size(build_tokenizer(args).vocab_size, args.make_vocab_size_divisible_by, 1)
     trace = profile_state(setup(args, pgs, pretrain_gpt.model_provider), args, pgs, device_of(args))
     if save_trace:
         trace.save(save_trace)
@@ -62,31 +60,22 @@ def profile_model(model_flags, save_trace=None) -> Trace:
 
 
 def profile_state(state, args, pgs, device) -> Trace:
-    """The trace of one micro-batch of the set-up run `state`, on `device` (model, batch, MEMO)."""
+    """The trace of one iteration of the set-up run `state` as the trainer profiles it: its
+    micro-batches and Seq1F1B segments, MEMO's layers and alpha, on `device`."""
+    import pretrain_gpt
     from megatron.longseq.memo.profiler import trace_iteration
-    from megatron.training.data import random_batches, to_device
-    from megatron.training.memo_setup import choose_alpha, wrap_model
+    from megatron.training.memo_setup import choose_alpha, profile_iteration, wrap_model
     from megatron.training.model import unwrap
     from megatron.training.validate_memo import planned_for
 
-    model = unwrap(state.model)[0]
-    layers = list(model.decoder.layers)
-    batch = to_device(next(random_batches(args, pgs, seed=12345)), device)
-    iteration = lambda: _loss(model, batch).backward()  # noqa: E731
+    layers = [layer for chunk in unwrap(state.model) for layer in chunk.decoder.layers]
+    iteration = profile_iteration(args, pgs, state, pretrain_gpt.forward_step)
     if args.memo:  # as the trainer: the last two layers keep their activations and get no window;
         memo, layers = wrap_model(state, 1.0, device)  # a measured iteration gives alpha and the buffers
         choose_alpha(args, memo, iteration, layers, device)
     trace = trace_iteration(iteration, layers, device)
     trace.planned_for = planned_for(args, memo.alpha) if args.memo else None
     return trace
-
-
-def _loss(model, batch):
-    from megatron.longseq.attention.core import AttentionInputs
-
-    out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
-                packed_seq_params=AttentionInputs(position_ids=batch["position_ids"]))
-    return out.float().mean()
 
 
 def arguments(argv):
@@ -102,6 +91,8 @@ def arguments(argv):
     ap.add_argument("--png", type=cli.image_path, help="drawing of the plan")
     args = ap.parse_args(argv[:cut])
     model_flags = argv[cut + 1:]
+    if args.out and model_flags and "--memo" not in model_flags:
+        ap.error("--out writes a plan for pretrain_gpt.py --memo-plan, which needs --memo: add it to the model flags")
     if bool(args.trace) == bool(model_flags):
         ap.error("give --trace PATH or pretrain_gpt.py model flags after --" +
                  (", not both" if model_flags else ""))

@@ -6,9 +6,10 @@
 
 writes data/corpus_text_document.{bin,idx} (one file pair per --json-keys key), readable by
 megatron-core's GPTDataset: pass `--data-path data/corpus_text_document` to pretrain_gpt.py.
-Blank lines are skipped; a line that is not a JSON object with every --json-keys key as a string
-(with NullTokenizer: ids below --vocab-size) stops the run with its line number, and nothing is
-left under the output names.
+Each key's value is a string or, as Megatron's, a list of strings: its elements are tokenized in
+order and concatenated into one document (EOD once, at its end). Blank lines are skipped; a line
+that is not a JSON object with every --json-keys key as such (with NullTokenizer: ids below
+--vocab-size) stops the run with its line number, and nothing is left under the output names.
 """
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--input", required=True, help="JSONL file, one document per line")
     p.add_argument("--output-prefix", required=True, type=output_prefix,
                    help="writes PREFIX_KEY_document.{bin,idx}; missing directories are made")
-    p.add_argument("--json-keys", nargs="+", default=["text"], help="the keys of each line to tokenize, a dataset each")
+    p.add_argument("--json-keys", nargs="+", default=["text"], type=json_key,
+                   help="the keys of each line to tokenize, a dataset each")
     p.add_argument("--tokenizer-type", required=True, choices=sorted(TOKENIZER_FILES), help="how text becomes ids")
     p.add_argument("--tokenizer-model", help="HuggingFaceTokenizer: a local tokenizer directory")
     p.add_argument("--vocab-file", help="GPT2BPETokenizer: vocab.json")
@@ -60,17 +62,35 @@ def parse_args(argv=None):
     for name in ("vocab_file", "merge_file"):
         if args.tokenizer_type == "GPT2BPETokenizer" and not os.path.isfile(getattr(args, name)):
             p.error(f"{flag(name)}: no file {getattr(args, name)}")
-    directory = os.path.dirname(os.path.abspath(args.output_prefix))
-    unusable = cli.make_directory(directory)  # last, so that a refused command leaves no directory behind
+    unusable = cli.make_directory(output_directory(args.output_prefix))  # last: a refusal leaves no directory
     if unusable:
         p.error(f"--output-prefix: {unusable}")
     return args
 
 
+def json_key(text: str) -> str:
+    """A key names a file, PREFIX_KEY_document.bin: a path separator in it would name a directory."""
+    if "/" in text or os.sep in text:
+        raise argparse.ArgumentTypeError(f"{text!r} holds a path separator; a key names the file "
+                                         "PREFIX_KEY_document.bin")
+    return text
+
+
+def document_prefix(prefix: str, key: str) -> str:
+    """The dataset of `key`: PREFIX_KEY_document.{bin,idx}."""
+    return f"{prefix}_{key}_document"
+
+
+def output_directory(prefix: str) -> str:
+    """The directory the datasets go in: that of a dataset's own path, so that a prefix ending in a
+    separator (data/) names data itself, as the files data/_KEY_document.* lie there."""
+    return os.path.dirname(os.path.abspath(document_prefix(prefix, "KEY")))
+
+
 def output_prefix(text: str) -> str:
     """cli.output_path, except that missing directories are made (the README's data/corpus): the
     nearest existing ancestor must be a directory."""
-    ancestor = os.path.dirname(os.path.abspath(text))
+    ancestor = output_directory(text)
     while not os.path.exists(ancestor):
         ancestor = os.path.dirname(ancestor)
     if not os.path.isdir(ancestor):
@@ -121,18 +141,33 @@ class Encoder:
         return {key: self.ids(doc, key, where) for key in self.args.json_keys}, len(line)
 
     def ids(self, doc: dict, key: str, where: str):
+        """The document of `key`: a string's ids, or a list's strings' ids in order (Megatron's list of
+        sentences, each tokenized on its own)."""
         if key not in doc:
             raise cli.ToolError(f"{where}: no key {key!r} (--json-keys)")
-        text = doc[key]
-        if not isinstance(text, str):
-            raise cli.ToolError(f"{where}: {key!r} is {type(text).__name__}, not a string")
-        if self.args.tokenizer_type == "NullTokenizer":
-            ids = null_ids(text, self.args.vocab_size, f"{where}: {key!r}")
+        value = doc[key]
+        if isinstance(value, str):
+            texts = [(value, f"{where}: {key!r}")]
+        elif isinstance(value, list):
+            texts = [(text, f"{where}: {key!r}[{i}]") for i, text in enumerate(value)]
         else:
-            ids = list(Encoder.tokenizer.tokenize(text))
+            raise cli.ToolError(f"{where}: {key!r} is {type(value).__name__}, not a string or a list of strings")
+        ids = [i for text, named in texts for i in self.text_ids(text, named)]
         if self.args.append_eod and ids:  # an empty text stays empty: no lone EOD, as Megatron
             ids.append(Encoder.tokenizer.eod)
         return ids
+
+    def text_ids(self, text, named: str):
+        if not isinstance(text, str):
+            raise cli.ToolError(f"{named} is {type(text).__name__}, not a string")
+        try:
+            text.encode("utf-8")  # JSON can spell a lone surrogate ("\ud800"), which no tokenizer takes
+        except UnicodeEncodeError as err:
+            why = f"{err.reason} at character {err.start}"
+            raise cli.ToolError(f"{named}: cannot be encoded as UTF-8 ({why})") from None
+        if self.args.tokenizer_type == "NullTokenizer":
+            return null_ids(text, self.args.vocab_size, named)
+        return list(Encoder.tokenizer.tokenize(text))
 
 
 def null_ids(text: str, vocab_size: int, where: str):
@@ -153,7 +188,7 @@ class Outputs:
     that a refused line leaves no half-written dataset under the final names."""
 
     def __init__(self, args, dtype):
-        self.prefixes = {key: f"{args.output_prefix}_{key}_document" for key in args.json_keys}
+        self.prefixes = {key: document_prefix(args.output_prefix, key) for key in args.json_keys}
         self.partial = f".partial-{os.getpid()}"
         self.builders = {key: IndexedDatasetBuilder(prefix + ".bin" + self.partial, dtype=dtype)
                          for key, prefix in self.prefixes.items()}
@@ -161,7 +196,9 @@ class Outputs:
     def add(self, encoded, dtype):
         for key, ids in encoded.items():
             # every line is a document of every key (an empty one holds no sequence), so the
-            # keys' datasets stay aligned by index, as Megatron's do
+            # keys' datasets stay aligned by index, as Megatron's do. A list's elements make one
+            # sequence, not one each as Megatron's .idx records them: GPTDataset shuffles sequences,
+            # and would scatter a document's sentences with no EOD between them
             self.builders[key].add_document(np.asarray(ids, dtype=dtype), [len(ids)] if ids else [])
 
     def finish(self):

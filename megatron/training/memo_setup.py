@@ -70,15 +70,21 @@ def wrap_model(state, alpha: float, device) -> tuple:
     return memo, layers
 
 
-def setup_memo(args, pgs, state, forward_step_func, device) -> Memo:
-    memo, layers = wrap_model(state, 1.0, device)
+def profile_iteration(args, pgs, state, forward_step_func):
+    """One iteration as the trainer runs it (every micro-batch, in Seq1F1B's segments), on the
+    synthetic stream: what MEMO profiles and plans, here and in tools/plan_memory.py alike."""
     data = random_batches(args, pgs, seed=12345)
 
     def one_iteration():
         forward_backward_seq1f1b(forward_step_func=forward_step_func, data_iterator=data, model=state.model,
                                  num_microbatches=args.num_microbatches, micro_batch_size=args.micro_batch_size,
                                  p2p_communicator=state.pipeline)
+    return one_iteration
 
+
+def setup_memo(args, pgs, state, forward_step_func, device) -> Memo:
+    memo, layers = wrap_model(state, 1.0, device)
+    one_iteration = profile_iteration(args, pgs, state, forward_step_func)
     path, saved = _reused_plan(args, pgs, layers)
     fixed = saved["planned_for"]["memo_swap_fraction"] if saved else None  # the alpha it was made for
     profile, choice, budget = choose_alpha(args, memo, one_iteration, layers, device, fixed)

@@ -4,7 +4,8 @@
 - GPT2BPETokenizer: GPT-2's byte-level BPE from vocab.json + merges.txt, run by the `tokenizers`
   library. (megatron-core 0.16.1's GPT2 path passes the vocab file as the merges file and asks the
   hub for 'gpt2', so it cannot run offline.)
-- HuggingFaceTokenizer: a local tokenizer directory through transformers' AutoTokenizer.
+- HuggingFaceTokenizer: a local tokenizer directory through transformers' AutoTokenizer; a text
+  gets the special tokens the tokenizer adds itself (a beginning-of-sequence token, say).
 """
 from __future__ import annotations
 
@@ -58,13 +59,27 @@ class HuggingFaceTokenizer(TextTokenizer):
         super().__init__(len(self._tok), self._tok.eos_token_id, f"HF({path})", pad=self._tok.pad_token_id)
 
     def tokenize(self, text: str):
-        return self._tok.encode(text, add_special_tokens=False)
+        # with the tokenizer's own special tokens, as Megatron-LM's HuggingFaceTokenizer: Llama's
+        # beginning-of-sequence token starts each document, as HF generation feeds the model
+        return self._tok(text).input_ids
 
     def detokenize(self, ids):
         return self._tok.decode(list(ids))
 
 
+_BUILT = {}  # one load per process: validation loads it first (see validate._vocab_args)
+
+
 def build_tokenizer(args):
+    """The tokenizer the flags name, loaded once per process for the same files."""
+    key = tuple(getattr(args, name, None) for name in
+                ("tokenizer_type", "vocab_size", "vocab_file", "merge_file", "tokenizer_model"))
+    if key not in _BUILT:
+        _BUILT[key] = _load(args)
+    return _BUILT[key]
+
+
+def _load(args):
     if args.tokenizer_type == "NullTokenizer":
         from megatron.core.tokenizers import MegatronTokenizer
 

@@ -41,7 +41,7 @@ from megatron.training.reporting import Reporter
 from megatron.training.rerun import GRAD_CHECKS, Injector, Replay, RerunMachine, loss_checks, this_device
 from megatron.training.timers import Timers
 from megatron.training.tokenizer import build_tokenizer
-from megatron.training.validate import convert_target, padded_vocab_size, validate_args, world_size_from_env
+from megatron.training.validate import convert_target, validate_args, world_size_from_env
 
 
 @dataclass
@@ -508,12 +508,7 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     exits = ExitWatch(args, start)
     exits.install()  # a signal during the set-up stops the run after its first iteration
     check_attention_kernel(args)
-    tokenizer = build_tokenizer(args)
-    # A model's table may be wider than its tokenizer (Qwen2's 151936 rows for 151665 ids): with a
-    # text tokenizer, --vocab-size names the model's rows.
-    args.true_vocab_size = max(tokenizer.vocab_size, args.vocab_size or 0)
-    args.padded_vocab_size = padded_vocab_size(args.true_vocab_size, args.make_vocab_size_divisible_by,
-                                               args.tensor_model_parallel_size)
+    tokenizer = build_tokenizer(args)  # the one validation loaded (and sized the vocabulary by)
     print_rank_0(f"> {pgs.grid.describe()}")
     print_rank_0(f"> padded vocab (size: {args.true_vocab_size}) with {args.padded_vocab_size - args.true_vocab_size} "
                  f"dummy tokens (new size: {args.padded_vocab_size})")

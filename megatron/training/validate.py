@@ -16,8 +16,9 @@ from megatron.longseq.parallel_state import GridError, RankGrid
 from megatron.longseq.pipeline import partition, plan
 from megatron.training.arguments import ArgsError
 from megatron.training.problems import collecting, flag, guard, require
+from megatron.training.tokenizer import build_tokenizer
 from megatron.training.validate_data import data_args
-from megatron.training.validate_memo import memo_args
+from megatron.training.validate_memo import memo_args, saved_plan_args
 
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "lr")
 
@@ -39,6 +40,9 @@ def validate_args(args: argparse.Namespace, world_size: int, errors: Sequence[st
                       _precision_args, _overlap_args, _pipeline_args, _schedule_args, _recompute_args, memo_args,
                       data_args, _rerun_args, _checkpoint_args, partial(_profile_args, world_size=world_size)):
             _run_check(check, args, errors)
+        if not errors:  # last: they read files the checks above found (a saved plan, the vocabulary's size)
+            for check in (_vocab_args, saved_plan_args):
+                _run_check(check, args, errors)
     if errors:
         raise ArgsError("; ".join(dict.fromkeys(errors)))
     return args
@@ -480,6 +484,20 @@ def _checkpoint_args(args):
 def convert_target(args) -> str:
     """Where --ckpt-convert-format writes: the format's directory under --ckpt-convert-save (Megatron's)."""
     return os.path.join(args.ckpt_convert_save, args.ckpt_convert_format)
+
+
+def _vocab_args(args):
+    """Load the tokenizer here, so that a malformed file or one without an end-of-document token is
+    one line before any work (not a traceback on every rank), and size the model's table from it."""
+    try:
+        tokenizer = build_tokenizer(args)
+    except Exception as err:  # noqa: BLE001 -- the tokenizers library raises a bare Exception for a bad vocab
+        raise ArgsError(f"cannot load the {args.tokenizer_type}: {' '.join(str(err).split())}") from None
+    # A model's table may be wider than its tokenizer (Qwen2's 151936 rows for 151665 ids): with a
+    # text tokenizer, --vocab-size names the model's rows.
+    args.true_vocab_size = max(tokenizer.vocab_size, args.vocab_size or 0)
+    args.padded_vocab_size = padded_vocab_size(args.true_vocab_size, args.make_vocab_size_divisible_by,
+                                               args.tensor_model_parallel_size)
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:

@@ -28,8 +28,6 @@ def memo_args(args):
     require(args.transformer_impl == "local", "--memo manages the local layers' saved tensors: use "
                                               "--transformer-impl local")
     require(args.memo_host_memory_gb > 0, "--memo-host-memory-gb must be positive")
-    if args.memo_plan:
-        _saved_plans(args)
     require(args.num_layers // (args.pipeline_model_parallel_size * args.virtual_pipeline_chunks) >= 1,
             "--memo needs layers to manage")
 
@@ -53,9 +51,11 @@ def _number(text: str) -> float | None:
         return None
 
 
-def _saved_plans(args) -> None:
+def saved_plan_args(args) -> None:
     """Every pipeline stage's saved plan (one file per stage when pipelined) is there, readable and
-    made for this run's sizes."""
+    made for this run's sizes (the vocabulary's among them: checked once it is sized)."""
+    if not (args.memo and args.memo_plan):
+        return
     from megatron.longseq.memo.planner import load_plan_summary, stage_plan_path
 
     stages = args.pipeline_model_parallel_size
@@ -76,7 +76,12 @@ def _saved_plans(args) -> None:
 PLANNED_FOR = ("seq_length", "micro_batch_size", "num_layers", "hidden_size", "ffn_hidden_size",
                "num_attention_heads", "num_query_groups", "kv_channels", "tensor_model_parallel_size",
                "context_parallel_size", "hierarchical_context_parallel_sizes", "pipeline_model_parallel_size",
-               "pipe_sp_splits", "pipe_sp_strategy", "bf16", "fp16")
+               "pipe_sp_splits", "pipe_sp_strategy", "bf16", "fp16", "padded_vocab_size", "num_microbatches",
+               "swiglu", "untie_embeddings_and_output_weights", "add_bias_linear", "normalization",
+               "position_embedding_type")
+# Those derived from flags, as a message names them
+DERIVED = {"padded_vocab_size": "the padded vocabulary", "num_microbatches": "micro-batches per iteration",
+           "add_bias_linear": "bias in linear layers (--disable-bias-linear)"}
 
 
 def planned_for(args, alpha: float) -> dict:
@@ -91,7 +96,7 @@ def plan_mismatch(made_for: dict, args) -> str | None:
         return "no run of --memo it records (a trace profiled without --memo, or saved without its run)"
     for name in PLANNED_FOR:
         if made_for.get(name) != getattr(args, name, None):
-            return f"{flag(name)} {made_for.get(name)} (this run: {getattr(args, name, None)})"
+            return f"{DERIVED.get(name, flag(name))} {made_for.get(name)} (this run: {getattr(args, name, None)})"
     alpha = None if args.memo_swap_fraction == "auto" else _number(args.memo_swap_fraction)
     if alpha is not None and abs(alpha - made_for["memo_swap_fraction"]) > 1e-9:
         return f"--memo-swap-fraction {made_for['memo_swap_fraction']!r} (this run: {alpha})"

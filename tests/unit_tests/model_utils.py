@@ -6,7 +6,7 @@ import torch
 from megatron.longseq.attention.core import AttentionInputs
 from megatron.training.arguments import parse_args
 from megatron.training.model import build_gpt_model
-from megatron.training.validate import padded_vocab_size, validate_args
+from megatron.training.validate import validate_args
 
 # gloo: these are CPU tests also on a GPU machine, where validation would pick nccl and so build the
 # model on the GPU with megatron-core's fusions on, beside batches and MEMO runtimes made on the CPU
@@ -28,10 +28,7 @@ def sequence_parallel_on_host() -> None:
 
 
 def tiny_args(extra: str = "", world_size: int = 1):
-    args = validate_args(parse_args((TINY + " " + extra).split()), world_size)
-    args.padded_vocab_size = padded_vocab_size(args.vocab_size + 1, args.make_vocab_size_divisible_by,
-                                               args.tensor_model_parallel_size)
-    return args
+    return validate_args(parse_args((TINY + " " + extra).split()), world_size)  # sizes the vocabulary too
 
 
 def tiny_gpt(args, pgs, seed: int = 1234):

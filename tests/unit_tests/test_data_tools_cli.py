@@ -61,7 +61,11 @@ def preprocess(tmp_path, lines, *extra, workers=1):
     ('{"text": "7 500"}', "3: 'text': id 500 is outside --vocab-size 100 (ids 0..99)"),
     ('{"text": "7 100"}', "3: 'text': id 100 is outside --vocab-size 100 (ids 0..99)"),  # 100 is EOD
     ('{"text": "-1"}', "3: 'text': id -1 is outside --vocab-size 100 (ids 0..99)"),
-    ('{"text": 5}', "3: 'text' is int, not a string"),
+    ('{"text": 5}', "3: 'text' is int, not a string or a list of strings"),
+    ('{"text": ["1", 5]}', "3: 'text'[1] is int, not a string"),
+    ('{"text": "\\ud800 1"}', "3: 'text': cannot be encoded as UTF-8 (surrogates not allowed at character 0)"),
+    ('{"text": ["1", "2 \\udc00"]}',
+     "3: 'text'[1]: cannot be encoded as UTF-8 (surrogates not allowed at character 2)"),
     ('[1, 2]', "3: not a JSON object"),
 ])
 def test_a_bad_line_is_named_and_leaves_no_output(tmp_path, capsys, workers, bad_line, message):
@@ -97,6 +101,60 @@ def test_blank_lines_are_skipped_and_the_largest_id_is_kept(tmp_path, capsys):
     assert [ds[i].tolist() for i in range(len(ds))] == [[1, 99, 100], [4, 100]]
 
 
+def test_a_list_of_strings_is_one_document_of_its_elements(tmp_path, capsys):
+    """Megatron's list of sentences: in order, concatenated, EOD once at the end; aligned with the
+    other keys' documents, an empty list an empty document."""
+    lines = ['{"text": ["1 2", "", "3"], "t": "9"}', '{"text": [], "t": "8"}', '{"text": ["4"], "t": "7"}']
+    assert preprocess(tmp_path, lines, "--append-eod", "--json-keys", "text", "t") == 0
+    ds = IndexedDataset(str(tmp_path / "out" / "c_text_document"))
+    assert [ds[i].tolist() for i in range(len(ds))] == [[1, 2, 3, 100], [4, 100]]
+    assert ds.document_indices.tolist() == [0, 1, 1, 2]  # the empty list holds no sequence, as an empty text
+    assert ds.sequence_lengths.tolist() == [4, 2]  # one sequence: GPTDataset keeps the document together
+    assert IndexedDataset(str(tmp_path / "out" / "c_t_document")).document_indices.tolist() == [0, 1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    """A byte-level BPE's vocab.json and merges.txt (trained here, on two sentences)."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    root = tmp_path_factory.mktemp("bpe")
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator(["a sentence.", "another one."], vocab_size=300, special_tokens=["<|endoftext|>"],
+                            show_progress=False)
+    tok.save_model(str(root))
+    return ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(root / "vocab.json"),
+            "--merge-file", str(root / "merges.txt")]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_gpt2_text_with_a_lone_surrogate_is_named_by_line(tmp_path, capsys, bpe, workers):
+    """JSON can spell half a UTF-16 pair; the tokenizers library would raise a TypeError on it."""
+    (tmp_path / "in.jsonl").write_text('{"text": ["a sentence.", "another one."]}\n{"text": "\\ud800 lone"}\n')
+    argv = ["--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "out" / "c"), *bpe,
+            "--workers", str(workers), "--append-eod"]
+    assert failed(capsys, preprocess_data.main, argv) == f"tool: error: {tmp_path / 'in.jsonl'}:2: 'text': cannot " \
+                                                        "be encoded as UTF-8 (surrogates not allowed at character 0)"
+    assert os.listdir(tmp_path / "out") == []
+    (tmp_path / "in.jsonl").write_text('{"text": ["a sentence.", "another one."]}\n')
+    assert preprocess_data.main(argv) == 0
+    from megatron.training.tokenizer import build_tokenizer
+
+    tok = build_tokenizer(preprocess_data.parse_args(argv))
+    ds = IndexedDataset(str(tmp_path / "out" / "c_text_document"))
+    assert ds[0].tolist() == tok.tokenize("a sentence.") + tok.tokenize("another one.") + [tok.eod]
+
+
+def test_an_output_prefix_ending_in_a_separator_names_the_directory(tmp_path, capsys):
+    argv = _null_argv(tmp_path, "--output-prefix", str(tmp_path / "new") + os.sep)
+    assert preprocess_data.main(argv) == 0
+    assert sorted(os.listdir(tmp_path / "new")) == ["_text_document.bin", "_text_document.idx"]
+    argv = _null_argv(tmp_path, "--output-prefix", str(tmp_path / "in.jsonl") + os.sep)
+    assert refused(capsys, preprocess_data.main, argv) \
+        == f"{PROG}: error: argument --output-prefix: {tmp_path / 'in.jsonl'} is not a directory to write " \
+           f"{tmp_path / 'in.jsonl'}{os.sep} in"
+
+
 def _null_argv(tmp_path, *extra):
     (tmp_path / "in.jsonl").write_text('{"text": "1"}\n')
     return ["--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "c"),
@@ -108,6 +166,8 @@ def _null_argv(tmp_path, *extra):
     (["--log-interval", "0"], "argument --log-interval: must be positive, got 0"),
     (["--workers", "0"], "argument --workers: must be positive, got 0"),
     (["--output-prefix", "/proc/x/b"], "--output-prefix: cannot make the directory /proc/x: No such file or directory"),
+    (["--json-keys", "text", "a/b"],
+     "argument --json-keys: 'a/b' holds a path separator; a key names the file PREFIX_KEY_document.bin"),
 ])
 def test_bad_flags_are_one_line(tmp_path, capsys, extra, message):
     assert refused(capsys, preprocess_data.main, _null_argv(tmp_path, *extra)) == f"{PROG}: error: {message}"

@@ -32,6 +32,8 @@ BAD = [  # (tool, argv, the error line's text after "error: "); "{tmp}" is a tem
     (pipeline_simulator, ["--chunks", "2", "--micro-batches", "6"],
      "the baseline 1F1B-I (--splits 1): the interleaved schedule runs the 6 micro-batches x 1 segments = 6 units "
      "in groups of the pipeline size 4: 6 is not divisible by 4"),
+    (pipeline_simulator, ["--pipeline-size", "1", "--micro-batches", "4", "--splits", "2", "--chunks", "2"],
+     "an interleaved schedule (--chunks 2) needs --pipeline-size > 1"),  # as the trainer refuses it
     (pipeline_simulator, ["--seq-length", "3"],
      "--splits 4 does not fit --seq-length 3: at most one segment per token"),
     (pipeline_simulator, ["--documents", "100", "--chunks", "2"],
@@ -84,6 +86,8 @@ BAD = [  # (tool, argv, the error line's text after "error: "); "{tmp}" is a tem
     (plan_memory, ["--trace", "{tmp}/bad.json", "--out", "{tmp}"], "argument --out: {tmp} is a directory: name a file"),
     (plan_memory, ["--trace", "{tmp}/bad.json", "--png", "{tmp}/plan.txt"],
      "argument --png: {tmp}/plan.txt: name a drawing by its kind, one of .png, .pdf, .svg, .jpg, .jpeg"),
+    (plan_memory, ["--out", "{tmp}/p.json", "--", "--num-layers", "2"],  # the trainer would refuse the plan
+     "--out writes a plan for pretrain_gpt.py --memo-plan, which needs --memo: add it to the model flags"),
     (plan_memory, ["--trace", "{tmp}/bad.json", "--save-trace", "{tmp}/t.json"],
      "--save-trace writes a profiled trace: --trace reads one, there is none to write"),
     (plan_memory, ["--trace", "{tmp}/dup.json"], "--trace {tmp}/dup.json is not a memo trace file (ValueError: "

@@ -271,9 +271,11 @@ def test_plan_memory_profiles_on_the_device_it_is_given(monkeypatch):
     """tools/plan_memory.py on a GPU machine: the model is built on the GPU (the backend decides
     the device), so the batch, MEMO and the trace must be there too -- a CPU batch crashed the
     first forward, and a CPU MEMO kept every device tensor whole (nothing managed). Here a device
-    object of its own stands for the GPU, and each of them must get exactly it."""
+    object of its own stands for the GPU, and MEMO and the trace must get exactly it; the batches
+    go where the model is (pretrain_gpt.forward_step, as in training)."""
+    import pretrain_gpt
     from megatron.longseq.memo import profiler
-    from megatron.training import data, memo_setup
+    from megatron.training import memo_setup
     from megatron.training.model import build_model_chunks
     from megatron.training.training import setup
     from tools import plan_memory
@@ -283,11 +285,36 @@ def test_plan_memory_profiles_on_the_device_it_is_given(monkeypatch):
     pgs = grid_groups()
     state = setup(args, pgs, lambda a, p, d: build_model_chunks(a, p, d))
     device, seen = torch.device("cpu", 0), []
-    for module, name in ((data, "to_device"), (memo_setup, "wrap_model"), (profiler, "trace_iteration")):
+    for module, name in ((pretrain_gpt, "to_device"), (memo_setup, "wrap_model"), (profiler, "trace_iteration")):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name: seen.append((_name, a[-1])) or _real(*a))
     trace = plan_memory.profile_state(state, args, pgs, device)
-    assert trace.windows() and seen == [("to_device", device), ("wrap_model", device), ("trace_iteration", device)]
+    assert trace.windows() and [s for s in seen if s[0] != "to_device"] == [("wrap_model", device),
+                                                                            ("trace_iteration", device)]
+    model_device = next(state.model[0].parameters()).device
+    assert {d for name, d in seen if name == "to_device"} == {model_device}
+
+
+def test_plan_memory_profiles_the_iteration_the_trainer_runs(tmp_path):
+    """Every micro-batch, every Seq1F1B segment: the tool's plan has the requests and windows of
+    the trainer's (--memo-save-plan), not those of one whole micro-batch (254 requests where the
+    trainer makes 1220 here, which its planned allocator could not follow)."""
+    import pretrain_gpt
+    from megatron.longseq.memo.planner import bilevel_plan, load_plan_summary
+    from megatron.training.memo_setup import setup_memo
+    from megatron.training.model import build_model_chunks
+    from megatron.training.training import setup
+    from tools import plan_memory
+
+    init_single_rank_world()
+    flags = (f"--num-layers 4 --memo --memo-swap-fraction 0.5 --memo-planner greedy --global-batch-size 2 "
+             f"--pipe-sp-splits 2 --memo-save-plan {tmp_path}/plan.json")
+    args, pgs, cpu = tiny_args(flags), grid_groups(), torch.device("cpu")
+    setup_memo(args, pgs, setup(args, pgs, build_model_chunks), pretrain_gpt.forward_step, cpu)
+    trainer = load_plan_summary(f"{tmp_path}/plan.json")["replay"]
+    tool = bilevel_plan(plan_memory.profile_state(setup(args, pgs, build_model_chunks), args, pgs, cpu), "greedy")
+    assert (tool.replay.sizes, [list(m) for m in tool.replay.marks]) == (trainer["sizes"], trainer["marks"])
+    assert len(trainer["sizes"]) > 2 * len({label for label, _ in trainer["marks"]})
 
 
 def test_plan_memory_tool_profiles_plans_and_draws(tmp_path):

@@ -142,8 +142,9 @@ def test_no_plan_is_made_for_the_caching_allocator(monkeypatch, capsys):
 
 
 def test_a_plan_is_reused_only_by_the_run_it_was_made_for(tmp_path):
-    """A plan records the settings its request sizes depend on: another --seq-length, or a fixed
-    --memo-swap-fraction other than the plan's, is one line at validation; 'auto' takes the plan's."""
+    """A plan records the settings its request sizes depend on: another --seq-length, vocabulary or
+    output layer, or a fixed --memo-swap-fraction other than the plan's, is one line at validation;
+    'auto' takes the plan's."""
     from megatron.longseq.memo.planner import bilevel_plan
     from megatron.longseq.memo.trace import Trace
     from megatron.training.arguments import ArgsError
@@ -154,7 +155,10 @@ def test_a_plan_is_reused_only_by_the_run_it_was_made_for(tmp_path):
     for flags in ("", "--memo-swap-fraction 0.25"):
         assert tiny_args(f"{MODEL} --memo-plan {path} {flags}").memo_plan == str(path)
     refusals = {"--seq-length 64 --max-position-embeddings 64": "--seq-length 32 (this run: 64)",
-                "--memo-swap-fraction 0.5": "--memo-swap-fraction 0.25 (this run: 0.5)"}
+                "--memo-swap-fraction 0.5": "--memo-swap-fraction 0.25 (this run: 0.5)",
+                # the logits' rows and the output layer are in the plan too
+                "--vocab-size 8000": "the padded vocabulary 256 (this run: 8064)",
+                "--untie-embeddings-and-output-weights": "--untie-embeddings-and-output-weights False (this run: True)"}
     for flags, said in refusals.items():
         with pytest.raises(ArgsError) as refused:
             tiny_args(f"{MODEL} --memo-plan {path} {flags}")

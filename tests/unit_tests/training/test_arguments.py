@@ -353,6 +353,28 @@ def test_tokenizer_files_must_be_local(tmp_path):
     assert message.startswith(f"--tokenizer-model {tmp_path} holds no tokenizer (tokenizer.json, ")
 
 
+def test_a_tokenizer_that_cannot_load_is_one_line_before_any_work(tmp_path):
+    """Loaded during validation: a malformed vocab.json, or a tokenizer without an end-of-document
+    token, used to pass it and then stop every rank with a traceback once the groups were up."""
+    base = BASE[:-4]
+    (tmp_path / "vocab.json").write_text("{bad")
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
+    message = error_of(f"--tokenizer-type GPT2BPETokenizer --vocab-file {tmp_path}/vocab.json "
+                       f"--merge-file {tmp_path}/merges.txt", base=base)
+    assert message.startswith("cannot load the GPT2BPETokenizer: Error while initializing BPE")
+    (tmp_path / "vocab.json").write_text('{"a": 0, "b": 1}')
+    message = error_of(f"--tokenizer-type GPT2BPETokenizer --vocab-file {tmp_path}/vocab.json "
+                       f"--merge-file {tmp_path}/merges.txt", base=base)
+    assert message.endswith("the tokenizer defines no end-of-document token")
+
+
+def test_the_vocabulary_is_sized_during_validation():
+    """Megatron's padding to --make-vocab-size-divisible-by x tp, of the tokenizer's size or a
+    wider --vocab-size (a NullTokenizer has one id more: its end-of-document token)."""
+    args = args_for("--tensor-model-parallel-size 2", world=2)
+    assert (args.true_vocab_size, args.padded_vocab_size) == (101, 256)
+
+
 def test_a_corrupt_index_is_one_line(tmp_path):
     base = [a for a in BASE if a != "--mock-data"]
     for ext in ("bin", "idx"):

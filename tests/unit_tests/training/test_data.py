@@ -70,6 +70,31 @@ def test_tokenizers_round_trip_and_agree(corpus):
     assert (null.vocab_size, null.eod) == (51, 50)  # Megatron: EOD is the id after the vocabulary
 
 
+def test_hf_documents_start_with_the_tokenizers_own_special_tokens(corpus, tmp_path):
+    """As Megatron-LM's HuggingFaceTokenizer (and HF generation): a tokenizer that puts <s> in front
+    of a text puts it in front of each preprocessed document."""
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    root, docs = corpus
+    tok = Tokenizer.from_file(str(root / "hf" / "tokenizer.json"))
+    tok.add_special_tokens(["<s>"])
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    (tmp_path / "hf").mkdir()
+    tok.save(str(tmp_path / "hf" / "tokenizer.json"))
+    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "bos_token": "<s>"}))
+    with open(tmp_path / "in.jsonl", "w") as f:
+        f.write(json.dumps({"text": docs[0]}) + "\n")
+    preprocess_data.main(["--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "c"),
+                          "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tmp_path / "hf"),
+                          "--append-eod"])
+    written = IndexedDataset(str(tmp_path / "c_text_document"), mmap=False)[0].tolist()  # megatron-core mmap crashed on 44 B
+    plain = build_tokenizer(tok_args(root, "GPT2BPETokenizer")).tokenize(docs[0])
+    assert written == [bos] + plain + [0]
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_preprocess_writes_what_gpt_dataset_reads(corpus, tmp_path, workers):
     root, docs = corpus
