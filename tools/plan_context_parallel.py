@@ -5,7 +5,8 @@
         --gpus-per-node 8 --nics-per-node 4
 
 Each row is a pretrain_gpt.py flag set: --context-parallel-size, --cp-comm-type a2a+p2p,
---hierarchical-context-parallel-sizes HP RING, --cp-inner-ring-size W, --cp-placement.
+--hierarchical-context-parallel-sizes HP RING, --cp-inner-ring-size W, --cp-placement (with the
+--tensor-model-parallel-size given here: it splits the heads and spaces the context ranks).
 Times are one attention layer's forward + backward by the model, for comparing layouts.
 
 Packed documents (--reset-attention-mask): --document-mean-length L draws sample packs of
@@ -70,6 +71,8 @@ def arguments(argv):
     p.add_argument("--hidden-size", type=cli.positive_int, help="hidden size D (planning needs it)")
     p.add_argument("--num-attention-heads", type=cli.positive_int, help="query heads H (planning needs it)")
     p.add_argument("--num-query-groups", type=cli.positive_int, help="KV heads H_kv, dividing H (None: MHA)")
+    p.add_argument("--tensor-model-parallel-size", type=cli.positive_int, default=1,
+                   help="tp: each rank's share of the heads; the context ranks sit tp apart")
     p.add_argument("--context-parallel-size", type=cli.positive_int, nargs="+", required=True,
                    help="one size to plan; with --document-balance, every ring size to compare")
     p.add_argument("--gpus-per-node", type=cli.positive_int, default=8, help="GPUs per node")
@@ -96,6 +99,10 @@ def _planning_refusal(args):
         return f"--num-query-groups {groups} does not divide --num-attention-heads {heads}"
     if args.hidden_size % heads:  # the trainer's rule without --kv-channels: head size = hidden / heads
         return f"--num-attention-heads {heads} does not divide --hidden-size {args.hidden_size}"
+    tp = args.tensor_model_parallel_size
+    for name, count in (("--num-attention-heads", heads), ("--num-query-groups", groups or heads)):
+        if count % tp:  # as the trainer: each tensor-parallel rank holds whole heads and groups
+            return f"{name} {count} is not divisible by --tensor-model-parallel-size {tp}"
     granularity = 2 * cp if cp > 1 else 1  # the load-balanced ring's two chunks per position, as the trainer's
     if args.seq_length % granularity:
         return f"--seq-length {args.seq_length} is not divisible by 2 x --context-parallel-size {cp}"
@@ -112,14 +119,14 @@ def main(argv=None):
     args.context_parallel_size = args.context_parallel_size[0]
     kv_heads = args.num_attention_heads if args.num_query_groups is None else args.num_query_groups
     work = Workload(args.seq_length, args.hidden_size, args.num_attention_heads, kv_heads,
-                    documents=document_packs(args))
+                    documents=document_packs(args), tp=args.tensor_model_parallel_size)
     cluster = Cluster(args.gpus_per_node, args.nics_per_node, args.intra_node_gbps, args.nic_gbps,
                       args.attention_tflops)
     plans = rank_plans(work, cluster, args.context_parallel_size)
     if not plans:  # head parallelism 1 always splits once the groups divide the heads: a safeguard
         raise cli.ToolError("no legal layout: the heads do not split over any head-parallel size")
     print(f"S={work.seq_length} D={work.hidden} H={work.heads} H_kv={work.kv_heads} d_sp={args.context_parallel_size} "
-          f"| {cluster.gpus_per_node} GPUs x {cluster.nics_per_node} NICs per node")
+          f"tp={work.tp} | {cluster.gpus_per_node} GPUs x {cluster.nics_per_node} NICs per node")
     if work.documents:
         print(f"packed documents (mean {args.document_mean_length:g}): attention work left at ring "
               f"{args.context_parallel_size}: {attention_fraction(work, args.context_parallel_size):.3f} of causal")

@@ -1,6 +1,7 @@
 """LoongTrain section 4.5's cost model for 2D attention: rank (hp, ring, inner ring, placement).
 
-For one attention layer on d_sp GPUs, S tokens, hidden D, H heads, H_kv KV heads (paper notation):
+For one attention layer on d_sp GPUs, S tokens, hidden D, H heads, H_kv KV heads (paper notation;
+under tensor parallelism of size tp, H, H_kv and D are a tp rank's share):
   T_comp^fwd per micro-step = flops(block) / throughput      (4.5.2; the backward is 3x)
   Size(kv)   = max(H_kv, d_hp)/H x 2 tensors x S D/d_sp x bytes      (4.5.3)
   T_ring^fwd = A (w-1) + B,  A = max(T_comp, T_p2p_inner), B = max(T_comp, T_p2p_outer)
@@ -42,6 +43,13 @@ class Workload:
     # packed documents (--reset-attention-mask): sample packs' document starts [S] each; empty
     # for plain causal attention
     documents: Tuple = ()
+    # tensor-parallel size: a rank holds heads/tp query and kv_heads/tp KV heads, and the context
+    # ranks of one tp position sit tp apart (the grid puts tp innermost)
+    tp: int = 1
+
+    def local_heads(self) -> Tuple[int, int]:
+        """(query heads, KV heads) of one tensor-parallel rank."""
+        return self.heads // self.tp, self.kv_heads // self.tp
 
 
 def attention_fraction(work: Workload, ring: int) -> float:
@@ -108,9 +116,10 @@ def _ring_pairs(groups: List[List[int]]):
 
 def evaluate(work: Workload, cluster: Cluster, hp: int, ring: int, inner: int, placement: str) -> Plan:
     d_sp = hp * ring
-    grid = RankGrid(world_size=d_sp, cp=d_sp, hp=hp, inner_ring=inner, placement=placement)
-    split = split_heads(work.heads, work.kv_heads, hp)  # raises for illegal head splits
-    kv_heads_after = max(work.kv_heads, hp) if split.kv_repeat > 1 else work.kv_heads
+    grid = RankGrid(world_size=d_sp * work.tp, tp=work.tp, cp=d_sp, hp=hp, inner_ring=inner, placement=placement)
+    q_heads, kv_heads = work.local_heads()
+    split = split_heads(q_heads, kv_heads, hp)  # raises for illegal head splits
+    kv_heads_after = max(kv_heads, hp) if split.kv_repeat > 1 else kv_heads
     tokens = work.seq_length / d_sp  # per rank, before the all-to-all
     head_dim = work.hidden / work.heads
     # computation per micro-step: the balanced causal block is half of (S/d_cp)^2 on the slowest
@@ -120,7 +129,8 @@ def evaluate(work: Workload, cluster: Cluster, hp: int, ring: int, inner: int, p
     block = 0.5 * (work.seq_length / ring) ** 2 * heads * head_dim * 4 * attention_fraction(work, ring)
     t_fwd = block / (cluster.attention_tflops * 1e12)
     t_bwd = 3 * t_fwd
-    kv_bytes = 2 * (kv_heads_after / work.heads) * tokens * work.hidden * work.bytes_per_element
+    kv_a2a = tokens * kv_heads_after * head_dim * work.bytes_per_element  # K or V of a rank
+    kv_bytes = 2 * kv_a2a
     t_in, in_cross = _link_time(kv_bytes, _ring_pairs(grid.ring_groups("inner")), cluster)
     t_out, out_cross = _link_time(kv_bytes, _ring_pairs(grid.ring_groups("outer")), cluster)
     outer_steps = ring // inner
@@ -132,8 +142,7 @@ def evaluate(work: Workload, cluster: Cluster, hp: int, ring: int, inner: int, p
     t_ring = fwd + (inner_bwd + step_b_bwd) * outer_steps
     t_a2a = 0.0
     if hp > 1:
-        q_bytes = tokens * work.hidden * work.bytes_per_element
-        kv_a2a = (kv_heads_after / work.heads) * q_bytes
+        q_bytes = tokens * q_heads * head_dim * work.bytes_per_element
         volume = (2 * q_bytes + 2 * kv_a2a) * (hp - 1) / hp
         hp_groups = grid.groups_along(("hp",))
         intra = all(len({_node(r, cluster) for r in g}) == 1 for g in hp_groups)
@@ -152,7 +161,7 @@ def rank_plans(work: Workload, cluster: Cluster, d_sp: int, inner_rings: Optiona
     for hp in _divisors(d_sp):
         ring = d_sp // hp
         try:
-            split_heads(work.heads, work.kv_heads, hp)
+            split_heads(*work.local_heads(), hp)
         except ValueError:
             continue
         for inner in (inner_rings or _divisors(ring)):

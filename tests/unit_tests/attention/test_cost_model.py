@@ -108,3 +108,19 @@ def test_the_forward_sends_one_transfer_fewer_than_its_steps():
     outer = evaluate(work, NETWORK_BOUND, hp=1, ring=4, inner=1, placement="head-first")
     plain = evaluate(work, NETWORK_BOUND, hp=1, ring=4, inner=4, placement="head-first")
     assert outer.t_ring / plain.t_ring == pytest.approx(15 / 12, rel=1e-3)
+
+
+def test_tensor_parallelism_splits_the_heads_and_spaces_the_context_ranks():
+    """tp 8 leaves a rank 4 query heads and 1 KV head: no head-parallel size above 4 (the trainer
+    refuses them). tp 2 puts a ring of 8 over 16 GPUs, two nodes: its transfers now cross, and a
+    rank attends over half the heads and sends half the bytes."""
+    gqa = Workload(seq_length=131072, hidden=4096, heads=32, kv_heads=8)
+    tp8 = Workload(seq_length=131072, hidden=4096, heads=32, kv_heads=8, tp=8)
+    assert max(p.hp for p in rank_plans(tp8, SLOW_NET, 64)) == 4 < max(p.hp for p in rank_plans(gqa, SLOW_NET, 64))
+    alone = evaluate(gqa, SLOW_NET, hp=1, ring=8, inner=1, placement="head-first")
+    tp2 = evaluate(Workload(131072, 4096, 32, 8, tp=2), SLOW_NET, hp=1, ring=8, inner=1, placement="head-first")
+    assert not alone.p2p_outer_crosses_nodes and tp2.p2p_outer_crosses_nodes
+    fast = Cluster(intra_gbps=1e9, nic_gbps=1e9)  # compute-bound: the time is the heads' work
+    halved = evaluate(Workload(131072, 4096, 32, 8, tp=2), fast, hp=2, ring=4, inner=4, placement="head-first")
+    whole = evaluate(gqa, fast, hp=2, ring=4, inner=4, placement="head-first")
+    assert halved.t_ring == pytest.approx(whole.t_ring / 2, rel=1e-6)
