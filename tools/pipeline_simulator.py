@@ -129,21 +129,26 @@ def simulated_events(t: Timeline):
 
 
 def recorded_events(directory):
-    """pretrain_gpt.py --pipeline-timeline DIR writes rank_<r>.json: [[op, start, end], ...]."""
-    events, ranks = [], 0
+    """pretrain_gpt.py --pipeline-timeline DIR writes rank_<r>.json: {stage, stages, events:
+    [[op, start, end], ...]}. Returns (events, stage count); files of runs with other stage counts
+    in the same directory are refused, not mixed in."""
+    events, counts = [], {}
     for path in sorted(glob.glob(os.path.join(directory, "rank_*.json"))):
         try:
             with open(path) as f:
                 blob = json.load(f)
-            stage = blob["stage"]
-            ranks = max(ranks, stage + 1)
+            stage, counts[os.path.basename(path)] = blob["stage"], blob["stages"]
             for op, start, end in blob["events"]:
                 kind, rest = op[0], op[1:].split(":")[1]
                 mb, seg = (int(x) for x in rest.split("."))
                 events.append((stage, f"{mb}.{seg}", start, end, kind == "F", mb))
         except (ValueError, KeyError, TypeError, IndexError) as err:  # JSON's errors are ValueErrors
             raise cli.ToolError(f"--from-run {path}: not a recorded timeline ({type(err).__name__}: {err})") from None
-    return events, ranks
+    if len(set(counts.values())) > 1:
+        runs = ", ".join(f"{name}: {n} stages" for name, n in counts.items())
+        raise cli.ToolError(f"--from-run {directory}: files of runs with different stage counts ({runs}): "
+                            "record into an empty directory")
+    return events, next(iter(counts.values()), 0)
 
 
 def arguments(argv):

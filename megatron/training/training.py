@@ -407,11 +407,12 @@ def _train_loop(forward_step_func, train_iter, valid_iter, state, args, pgs, tim
 
 
 def write_timeline(directory: str, pipeline: Pipeline, pgs) -> None:
-    """One file per pipeline stage (from the first rank of its dp x cp x tp replicas)."""
+    """One file per pipeline stage (from the first rank of its dp x cp x tp replicas), each naming
+    the stage count: a reader tells files of an earlier run with more stages from this run's."""
     if pgs.index("dp_cp") or pgs.index("tp"):
         return
     os.makedirs(directory, exist_ok=True)
-    blob = {"stage": pipeline.rank, "events": pipeline.stats["timeline"]}
+    blob = {"stage": pipeline.rank, "stages": pgs.size("pp"), "events": pipeline.stats["timeline"]}
     with open(os.path.join(directory, f"rank_{pipeline.rank}.json"), "w") as f:
         json.dump(blob, f)
 

@@ -184,7 +184,19 @@ def test_a_malformed_recorded_timeline_is_one_line(tmp_path, capsys):
     code, out, err = _refusal(pipeline_simulator, ["--from-run", str(tmp_path)], capsys)
     assert code == 2 and out == "" and "Traceback" not in err
     assert err.strip().splitlines()[-1].endswith(f"--from-run {tmp_path}/rank_0.json: not a recorded timeline "
-                                                 "(KeyError: 'events')")
+                                                 "(KeyError: 'stages')")
+
+
+def test_timelines_of_two_runs_in_one_directory_are_refused(tmp_path, capsys):
+    """A 2-stage run recorded where a 4-stage run left rank_2/3.json: mixed, its bubble would be
+    of 4 stages' span."""
+    op = [["F0:0.0", 0.0, 1.0]]
+    for stage, stages in ((0, 2), (1, 2), (2, 4), (3, 4)):
+        (tmp_path / f"rank_{stage}.json").write_text(json.dumps({"stage": stage, "stages": stages, "events": op}))
+    code, out, err = _refusal(pipeline_simulator, ["--from-run", str(tmp_path)], capsys)
+    assert code == 2 and out == "" and err.strip().splitlines()[-1].endswith(
+        f"--from-run {tmp_path}: files of runs with different stage counts (rank_0.json: 2 stages, rank_1.json: "
+        "2 stages, rank_2.json: 4 stages, rank_3.json: 4 stages): record into an empty directory")
 
 
 @pytest.mark.parametrize("groups, kv_heads", [([], 32), (["--num-query-groups", "8"], 8)])
