@@ -1,8 +1,8 @@
 """MEMO in the trainer: wrap the layers, profile, choose alpha, plan memory -- all before training.
 
 The profile iterations run on a synthetic micro-batch stream (random tokens, the run's shapes and
-placement), so the data position and every RNG stream of the run stay untouched; the gradients
-they leave are zeroed.
+placement), so the data position stays untouched; every RNG stream they draw from is put back
+after them (setup_memo), and the gradients they leave are zeroed.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from megatron.longseq.memo.profiler import (
     bandwidth, collector_off, mark_layer_windows, profile_sizes, trace_iteration)
 from megatron.longseq.memo.runtime import Memo
 from megatron.longseq.pipeline.seq1f1b import forward_backward_seq1f1b
+from megatron.longseq.random import load_rng_state_dict, rng_state_dict
 from megatron.training.data import random_batches
 from megatron.training.metrics import print_rank_0
 from megatron.training.model import unwrap
@@ -83,6 +84,16 @@ def profile_iteration(args, pgs, state, forward_step_func):
 
 
 def setup_memo(args, pgs, state, forward_step_func, device) -> Memo:
+    """MEMO set up for the run: every RNG stream as it was before (the profile iterations draw
+    attention dropout and the profiler's own inputs), so that the run is the one without --memo."""
+    streams = rng_state_dict()
+    try:
+        return _setup_memo(args, pgs, state, forward_step_func, device)
+    finally:
+        load_rng_state_dict(streams)
+
+
+def _setup_memo(args, pgs, state, forward_step_func, device) -> Memo:
     memo, layers = wrap_model(state, 1.0, device)
     one_iteration = profile_iteration(args, pgs, state, forward_step_func)
     path, saved = _reused_plan(args, pgs, layers)
