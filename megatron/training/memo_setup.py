@@ -21,7 +21,7 @@ from megatron.longseq.random import load_rng_state_dict, rng_state_dict
 from megatron.training.data import random_batches
 from megatron.training.metrics import print_rank_0
 from megatron.training.model import unwrap
-from megatron.training.validate_memo import planned_for
+from megatron.training.validate_memo import KEPT_LAYERS, planned_for
 
 
 def _agree(value: float, op, group) -> float:
@@ -64,7 +64,7 @@ def wrap_model(state, alpha: float, device) -> tuple:
     memo = Memo(alpha, device, {buffer.param_data.untyped_storage().data_ptr()})
     layers = []
     for chunk in unwrap(state.model):
-        keep = 2 if chunk.post_process else 0
+        keep = KEPT_LAYERS if chunk.post_process else 0
         memo.wrap(chunk.decoder.layers, keep_last=keep)
         layers += list(chunk.decoder.layers)[: max(len(chunk.decoder.layers) - keep, 0)]
     state.pipeline.unit_hooks = memo  # a stage without kept layers prefetches as a unit's backward begins

@@ -28,8 +28,28 @@ def memo_args(args):
     require(args.transformer_impl == "local", "--memo manages the local layers' saved tensors: use "
                                               "--transformer-impl local")
     require(args.memo_host_memory_gb > 0, "--memo-host-memory-gb must be positive")
-    require(args.num_layers // (args.pipeline_model_parallel_size * args.virtual_pipeline_chunks) >= 1,
-            "--memo needs layers to manage")
+    kept = min(KEPT_LAYERS, _last_chunk_layers(args))
+    require(args.num_layers > kept, f"--memo manages no layer: the model's last chunk keeps its last {kept} "
+                                    f"layers' activations (its backward starts at once) and --num-layers "
+                                    f"{args.num_layers} leaves none other")
+
+
+# The model's last chunk keeps the activations of its last layers on the device, unmanaged (see
+# memo_setup.wrap_model): their backward follows their forward at once.
+KEPT_LAYERS = 2
+
+
+def _last_chunk_layers(args) -> int:
+    """Transformer layers of the model's last chunk, as megatron-core splits them (uneven first /
+    last stages; the embedding and the loss each counted as a layer)."""
+    L, p, v = args.num_layers, args.pipeline_model_parallel_size, args.virtual_pipeline_chunks
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    if last is not None:
+        return last
+    if first is not None:  # the rest shared evenly by the other stages
+        return (L - first) // (p - 1)
+    embedding, loss = int(args.account_for_embedding_in_pipeline_split), int(args.account_for_loss_in_pipeline_split)
+    return (L + embedding + loss) // (p * v) - loss - (embedding if p * v == 1 else 0)
 
 
 def _planned_allocator_args(args):

@@ -31,6 +31,7 @@ COMMON = (
 LLAMA = ("--group-query-attention --num-query-groups 2 --position-embedding-type rope --swiglu "
          "--normalization RMSNorm --untie-embeddings-and-output-weights --disable-bias-linear").split()
 
+LAYERS_4 = "--num-layers 4".split()
 DOCUMENTS = "--reset-position-ids --reset-attention-mask --eod-mask-loss".split()
 SEQ_512 = "--position-embedding-type rope --seq-length 512 --max-position-embeddings 512".split()
 
@@ -104,10 +105,13 @@ CASES = [
         "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --cross-entropy-chunk-tokens 100").split(),
          "gpt_llama"),
     # MEMO: token-wise swap/recompute, alone, with context parallelism and with a Seq1F1B pipeline.
-    Case("gpt_llama_memo_alpha_half", 1, LLAMA + "--memo --memo-swap-fraction 0.5 --memo-planner cpsat".split(),
-         "gpt_llama"),
-    Case("gpt_llama_cp2_ulysses_memo_auto", 2, LLAMA + (
-        "--context-parallel-size 2 --cp-comm-type a2a --memo --memo-planner greedy").split(), "gpt_llama"),
+    # Four layers: the model's last two keep their activations, so MEMO manages the first two (the
+    # pipelined case manages stage 0's layer).
+    Case("gpt_llama_4_layers", 1, LLAMA + LAYERS_4),
+    Case("gpt_llama_memo_alpha_half", 1, LLAMA + LAYERS_4 + (
+        "--memo --memo-swap-fraction 0.5 --memo-planner cpsat").split(), "gpt_llama_4_layers"),
+    Case("gpt_llama_cp2_ulysses_memo_auto", 2, LLAMA + LAYERS_4 + (
+        "--context-parallel-size 2 --cp-comm-type a2a --memo --memo-planner greedy").split(), "gpt_llama_4_layers"),
     Case("gpt_llama_pp2_seq1f1b_k2_memo_quarter", 2, LLAMA + (
         "--pipeline-model-parallel-size 2 --pipe-sp-splits 2 --memo --memo-swap-fraction 0.25 "
         "--memo-planner greedy").split(), "gpt_llama"),
@@ -150,12 +154,12 @@ CASES = [
         "--bf16 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather "
         "--ddp-bucket-size 20000").split(), "gpt_llama_bf16"),
     Case("gpt_llama_bf16_pp2", 2, LLAMA + "--bf16 --pipeline-model-parallel-size 2".split(), "gpt_llama_bf16"),
-    Case("gpt_llama_tp2_memo_auto", 2, LLAMA + "--tensor-model-parallel-size 2 --memo --memo-planner greedy".split(),
-         "gpt_llama"),
+    Case("gpt_llama_tp2_memo_auto", 2, LLAMA + LAYERS_4 + "--tensor-model-parallel-size 2 --memo --memo-planner "
+         "greedy".split(), "gpt_llama_4_layers"),
     # MEMO's set-up iterations fire the overlapped buckets' hooks too
-    Case("gpt_llama_dp2_distopt_overlap_memo_auto", 2, LLAMA + (
+    Case("gpt_llama_dp2_distopt_overlap_memo_auto", 2, LLAMA + LAYERS_4 + (
         "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 20000 "
-        "--memo --memo-planner greedy").split(), "gpt_llama"),
+        "--memo --memo-planner greedy").split(), "gpt_llama_4_layers"),
     # learned absolute positions (every other cp case has RoPE) on load-balanced ring chunks
     Case("gpt_base_cp2_ring", 2, "--context-parallel-size 2 --cp-comm-type p2p".split(), "gpt_base"),
 ]

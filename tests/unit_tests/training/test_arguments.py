@@ -67,7 +67,7 @@ def test_what_the_planned_allocator_cannot_serve_is_refused_on_a_gpu_machine(mon
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setenv("MEGATRON_LONGSEQ_CACHE", str(tmp_path))  # nothing built there yet
     monkeypatch.setenv("CC", "no-such-compiler")
-    planned = "--memo --hidden-dropout 0 --memo-allocator planned"
+    planned = "--memo --hidden-dropout 0 --num-layers 4 --memo-allocator planned"
     assert error_of(f"{planned} --record-memory-history --transformer-impl transformer_engine").split("; ")[-3:] == [
         "--record-memory-history records torch's caching allocator, which --memo-allocator planned replaces "
         "(a pluggable allocator keeps no history)",
@@ -145,6 +145,8 @@ def test_padded_vocab_matches_megatron():
     ("--context-parallel-size 2 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes -1 -2", 2,
      "--hierarchical-context-parallel-sizes must be >= 1, got -1 -2"),  # their product alone passes
     ("--tensor-model-parallel-size 0", 1, "--tensor-model-parallel-size must be >= 1, got 0"),
+    ("--memo --hidden-dropout 0", 1, "--memo manages no layer: the model's last chunk keeps its last 2 layers' "
+                                 "activations (its backward starts at once) and --num-layers 2 leaves none other"),
     ("--pipeline-model-parallel-size -1", 1, "--pipeline-model-parallel-size must be >= 1, got -1"),
     ("--context-parallel-size 2 --hierarchical-context-parallel-sizes 1 2", 2,
      "--hierarchical-context-parallel-sizes needs --cp-comm-type a2a+p2p"),
@@ -213,7 +215,7 @@ def test_padded_vocab_matches_megatron():
     ("--memo", 1, "--memo needs --hidden-dropout 0"),
     ("--memo --hidden-dropout 0 --recompute-granularity selective", 1, "--memo replaces activation recompute"),
     ("--memo --hidden-dropout 0 --memo-host-memory-gb 0", 1, "--memo-host-memory-gb must be positive"),
-    ("--memo --hidden-dropout 0 --memo-plan /no/such/plan.json", 1, "--memo-plan: cannot read /no/such/plan.json"),
+    ("--memo --hidden-dropout 0 --num-layers 4 --memo-plan /no/such/plan.json", 1, "--memo-plan: cannot read /no/such/plan.json"),
     ("--memo --hidden-dropout 0 --memo-plan /no/plan.json --pipeline-model-parallel-size 2 --num-layers 4", 2,
      "--memo-plan: cannot read /no/plan.stage0.json"),  # pipelined: one plan per stage
     ("--memo-allocator planned", 1, "--memo-allocator planned needs --memo"),
@@ -337,10 +339,20 @@ def test_a_conversion_writes_under_its_format_and_never_over_its_source(tmp_path
 def test_a_saved_plan_of_another_format_is_refused(tmp_path):
     old = tmp_path / "plan.json"
     old.write_text('{"format": "memo-plan-1", "windows": {}}')
-    message = error_of(f"--memo --hidden-dropout 0 --memo-plan {old}")
+    message = error_of(f"--memo --hidden-dropout 0 --num-layers 4 --memo-plan {old}")
     assert message == f"--memo-plan: {old} is not a MEMO memory plan of this version (memo-plan-4): plan again"
     old.write_text("{")
-    assert error_of(f"--memo --hidden-dropout 0 --memo-plan {old}").startswith("--memo-plan: Expecting")
+    assert error_of(f"--memo --hidden-dropout 0 --num-layers 4 --memo-plan {old}").startswith("--memo-plan: Expecting")
+
+
+def test_memo_counts_the_layers_of_the_chunks_it_manages():
+    """Two layers over 2 stages x 2 chunks with the embedding and the loss counted as layers: the
+    last chunk holds none, so MEMO manages both (a check of layers per chunk refused it)."""
+    args = args_for("--memo --hidden-dropout 0 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank "
+                    "2 --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split --pipe-sp-splits "
+                    "2 --attention-dropout 0", world=2)
+    assert args.memo and args.virtual_pipeline_chunks == 2
+    assert args_for("--memo --hidden-dropout 0 --num-layers 3").memo  # the first layer is managed
 
 
 def test_tokenizer_files_must_be_local(tmp_path):

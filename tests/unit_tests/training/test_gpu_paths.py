@@ -297,9 +297,9 @@ def test_fusion_flags_and_the_cases_megatron_core_refuses():
     assert not any(getattr(off, f) for f in FUSED)
     assert not transformer_config(_on_gpu("--bf16 --disable-bias-linear")).bias_activation_fusion  # ungated GELU
     assert not transformer_config(_on_gpu("")).cross_entropy_loss_fusion  # fp32: bf16 logit gradients
-    memo = transformer_config(_on_gpu("--bf16 --swiglu --memo"))
+    memo = transformer_config(_on_gpu("--bf16 --swiglu --memo --num-layers 4"))
     assert not memo.bias_activation_fusion and not memo.bias_dropout_fusion and memo.cross_entropy_loss_fusion
-    planned = _on_gpu("--bf16 --swiglu --memo")
+    planned = _on_gpu("--bf16 --swiglu --memo --num-layers 4")
     planned.memo_allocator = "planned"  # validation refuses it on a machine without CUDA
     assert not transformer_config(planned).cross_entropy_loss_fusion  # compiled: may ask the allocator for stats
 
