@@ -230,7 +230,8 @@ class CheckpointSaver:
         on_rank_0(lambda: fresh_dir(tmp))
         writes = state.optimizer.writes
         states = None if args.no_save_optim else state.optimizer.param_space_state(writes)
-        sd = {**_common(args, state, self.pgs), **_sharded(state, self.pgs, states, None if args.no_save_rng else RNG_BY, writes)}
+        rng = None if args.no_save_rng else RNG_BY
+        sd = {**_common(args, state, self.pgs), **_sharded(state, self.pgs, states, rng, writes)}
         request = dist_checkpointing.save(sd, tmp, self.strategy, async_sharded_save=True)
         self._start(request, state.iteration, on_done)
         if not args.async_save:

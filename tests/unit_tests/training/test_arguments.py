@@ -215,7 +215,8 @@ def test_padded_vocab_matches_megatron():
     ("--memo", 1, "--memo needs --hidden-dropout 0"),
     ("--memo --hidden-dropout 0 --recompute-granularity selective", 1, "--memo replaces activation recompute"),
     ("--memo --hidden-dropout 0 --memo-host-memory-gb 0", 1, "--memo-host-memory-gb must be positive"),
-    ("--memo --hidden-dropout 0 --num-layers 4 --memo-plan /no/such/plan.json", 1, "--memo-plan: cannot read /no/such/plan.json"),
+    ("--memo --hidden-dropout 0 --num-layers 4 --memo-plan /no/such/plan.json", 1,
+     "--memo-plan: cannot read /no/such/plan.json"),
     ("--memo --hidden-dropout 0 --memo-plan /no/plan.json --pipeline-model-parallel-size 2 --num-layers 4", 2,
      "--memo-plan: cannot read /no/plan.stage0.json"),  # pipelined: one plan per stage
     ("--memo-allocator planned", 1, "--memo-allocator planned needs --memo"),
