@@ -90,8 +90,8 @@ def test_hf_documents_start_with_the_tokenizers_own_special_tokens(corpus, tmp_p
     preprocess_data.main(["--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "c"),
                           "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tmp_path / "hf"),
                           "--append-eod"])
-    # read without mmap: megatron-core's memory-mapped reader crashed on this 44-byte file here
-    written = IndexedDataset(str(tmp_path / "c_text_document"), mmap=False)[0].tolist()
+    dataset = IndexedDataset(str(tmp_path / "c_text_document"))  # held: its __del__ unmaps what [0] views
+    written = dataset[0].tolist()
     plain = build_tokenizer(tok_args(root, "GPT2BPETokenizer")).tokenize(docs[0])
     assert written == [bos] + plain + [0]
 
