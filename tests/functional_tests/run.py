@@ -175,10 +175,10 @@ def write_golden(case: Case, curve: Curve, accept_change: bool = False, record_m
     changes = golden_changes(old, new) if old else {}
     for metric, change in changes.items():
         print(f"{case.name} {metric}: largest relative change {change:.2e}")
-    moved = changes.get("lm loss", 0.0)
-    if moved > GOLDEN_RTOL[precision(case)] and not accept_change:
-        raise SystemExit(f"{case.name}: the lm loss moved {moved:.2e} from {path} (beyond "
-                         f"{GOLDEN_RTOL[precision(case)]:.0e}): rerun with --accept-change if that is intended")
+    moved, rtol = changes.get("lm loss", 0.0), GOLDEN_RTOL[precision(case)]
+    if moved > rtol and not accept_change:
+        raise SystemExit(f"{case.name}: the lm loss moved {moved:.2e} from {path} (beyond {rtol:.0e}): "
+                         "rerun with --accept-change if that is intended")
     if old and not record_machine:
         new.update({metric: old[metric] for metric in MACHINE_METRICS if metric in old})
     path.write_text(json.dumps(new, indent=4) + "\n")

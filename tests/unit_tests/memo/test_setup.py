@@ -189,3 +189,35 @@ def test_memo_setup_puts_every_rng_stream_back():
     assert torch.equal(after["torch_rng_state"], before["torch_rng_state"])
     assert after["random_rng_state"] == before["random_rng_state"]
     assert all(torch.equal(after["rng_tracker_states"][k], v) for k, v in before["rng_tracker_states"].items())
+
+
+def test_memo_counts_the_layers_of_the_chunks_it_manages():
+    """Two layers over 2 stages x 2 chunks with the embedding and the loss counted as layers: the
+    last chunk holds none, so MEMO manages both (a check of layers per chunk refused it)."""
+    args = tiny_args("--memo --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
+                     "--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split "
+                     "--pipe-sp-splits 2 --global-batch-size 4", world_size=2)
+    assert args.memo and args.virtual_pipeline_chunks == 2
+    assert tiny_args("--memo --num-layers 3").memo  # the first layer is managed
+
+
+@pytest.mark.parametrize("layout, world", [
+    ("", 1), ("--pipeline-model-parallel-size 2 --num-layers 6", 2),
+    ("--pipeline-model-parallel-size 2 --num-layers 6 --decoder-first-pipeline-num-layers 4", 2),
+    ("--pipeline-model-parallel-size 2 --num-layers 6 --decoder-last-pipeline-num-layers 1", 2),
+    ("--pipeline-model-parallel-size 3 --num-layers 7 --decoder-first-pipeline-num-layers 1", 3),
+    ("--pipeline-model-parallel-size 2 --num-layers 6 --num-virtual-stages-per-pipeline-rank 2 "
+     "--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split --global-batch-size 4", 2),
+    ("--num-layers 4 --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split", 1),
+    ("--pipeline-model-parallel-size 2 --num-layers 7 --account-for-loss-in-pipeline-split", 2),
+])
+def test_memos_count_of_the_last_chunk_is_megatron_cores(layout, world):
+    """validate_memo counts the last chunk's layers before any model exists: the count megatron-core
+    builds (model.chunk_layers) for every way of splitting."""
+    from megatron.training.model import chunk_layers, transformer_config
+    from megatron.training.validate_memo import _last_chunk_layers
+
+    args = tiny_args(layout, world)
+    last_stage, last_chunk = args.pipeline_model_parallel_size - 1, args.virtual_pipeline_chunks - 1
+    last = chunk_layers(transformer_config(args), last_stage, last_chunk)
+    assert _last_chunk_layers(args) == last

@@ -346,16 +346,6 @@ def test_a_saved_plan_of_another_format_is_refused(tmp_path):
     assert error_of(f"--memo --hidden-dropout 0 --num-layers 4 --memo-plan {old}").startswith("--memo-plan: Expecting")
 
 
-def test_memo_counts_the_layers_of_the_chunks_it_manages():
-    """Two layers over 2 stages x 2 chunks with the embedding and the loss counted as layers: the
-    last chunk holds none, so MEMO manages both (a check of layers per chunk refused it)."""
-    args = args_for("--memo --hidden-dropout 0 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank "
-                    "2 --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split --pipe-sp-splits "
-                    "2 --attention-dropout 0", world=2)
-    assert args.memo and args.virtual_pipeline_chunks == 2
-    assert args_for("--memo --hidden-dropout 0 --num-layers 3").memo  # the first layer is managed
-
-
 def test_tokenizer_files_must_be_local(tmp_path):
     base = BASE[:-4]  # drop the tokenizer flags
     message = error_of(f"--tokenizer-type GPT2BPETokenizer --vocab-file {tmp_path}/v.json", base=base)
