@@ -309,6 +309,11 @@ def _checkpoint_and_logging(p):
     g.add_argument("--ckpt-convert-save", type=str, default=None,
                    help="where --ckpt-convert-format saves: under DIR/<format> (Megatron's)")
     g.add_argument("--ckpt-step", type=int, default=None, help="load this iteration, whatever the tracker says")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="take the model's and tokenizer's settings from the checkpoint --load names; a setting "
+                        "named on the command line wins")
+    g.add_argument("--use-mp-args-from-checkpoint-args", action="store_true",
+                   help="with --use-checkpoint-args: the tensor and pipeline sizes too")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="with --load: stop when it holds no checkpoint rather than start from random weights")
     g.add_argument("--async-save", action="store_true",
@@ -455,7 +460,15 @@ def parse(argv: Optional[List[str]] = None, extra_args_provider=None) -> Tuple[a
         raise ArgsError("; ".join(errors))
     errors += [f"{flag}: {reason}" for flag, reason in UNSUPPORTED.items()
                if getattr(args, _unsupported_dest(flag)) is not None]
+    args._given = _given(parser, argv)
     return args, errors + _without_switch(args, argv) + _unknown(unknown)
+
+
+def _given(parser: argparse.ArgumentParser, argv: List[str]) -> frozenset:
+    """The settings (dests) the command line names: --use-checkpoint-args leaves them as given."""
+    actions = parser._option_string_actions  # argparse keeps no public map of flags to actions
+    flags = (token.split("=", 1)[0] for token in argv if token.startswith("--"))
+    return frozenset(actions[f].dest for f in flags if f in actions)
 
 
 def _without_switch(args, argv: List[str]) -> List[str]:

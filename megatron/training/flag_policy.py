@@ -34,8 +34,6 @@ UNSUPPORTED = {
                        "min and max over the ranks)",
     "--result-rejected-tracker-filename": "rejected results are printed to the log ('rerun:' lines), not kept in a "
                                           "tracker file",
-    "--use-checkpoint-args": "the model's settings come from the command line (a checkpoint whose model differs "
-                             "is named at start-up, setting by setting)",
     "--iterations-to-skip": "skipping chosen iterations is not implemented",
     "--log-progress": "progress.txt (tokens and FLOPs so far) is not written: the iteration line has both rates",
     "--log-energy": "energy is not measured",

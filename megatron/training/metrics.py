@@ -157,7 +157,8 @@ class TensorboardLogger:
         if self.writer is None:
             return
         for name, value in sorted(vars(args).items()):
-            self.writer.add_text(name, str(value), global_step=iteration)
+            if not name.startswith("_"):  # the parser's bookkeeping, no setting
+                self.writer.add_text(name, str(value), global_step=iteration)
 
     def memory(self, iteration: int) -> None:
         if self.writer is None:

@@ -23,6 +23,7 @@ from megatron.longseq.pipeline.p2p import connect_links
 from megatron.longseq.pipeline.seq1f1b import Pipeline, forward_backward_seq1f1b
 from megatron.training.arguments import ArgsError, parse
 from megatron.training import dist_ckpt
+from megatron.training.checkpoint_args import checkpoint_settings
 from megatron.training.checkpointing import (
     SCHEDULE, TRACKER, CheckpointError, carry_model_card, check_args, check_schedule, checkpoint_format,
     load_checkpoint, loaded_checkpoint, loads_schedule, recorded_args, same_tracker_everywhere, save_checkpoint,
@@ -63,6 +64,7 @@ class TrainState:
 def parse_and_validate(argv=None, extra_args_provider=None):
     """Every bad flag of the command line, from parsing and from validation, in one ArgsError line."""
     args, errors = parse(argv, extra_args_provider)
+    errors += checkpoint_settings(args)  # before validation: it fills what the command line left unset
     return validate_args(args, world_size_from_env(), errors)
 
 
@@ -71,6 +73,8 @@ def _print_args(args) -> None:
     for key in sorted(vars(args)):
         if not key.startswith("_"):
             print_rank_0(f"  {key} {'.' * (48 - len(key))} {getattr(args, key)}")
+    if getattr(args, "_from_checkpoint", None):
+        print_rank_0(f"  (from the checkpoint, --use-checkpoint-args: {', '.join(args._from_checkpoint)})")
     # What some flags above become on this machine (fusions are off on CPU, ...).
     print_rank_0("------------------ in force on this machine ------------------")
     in_force = {**fusions(args),

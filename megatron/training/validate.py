@@ -496,6 +496,12 @@ def _vocab_args(args):
     # A model's table may be wider than its tokenizer (Qwen2's 151936 rows for 151665 ids): with a
     # text tokenizer, --vocab-size names the model's rows.
     args.true_vocab_size = max(tokenizer.vocab_size, args.vocab_size or 0)
+    if "padded_vocab_size" in getattr(args, "_from_checkpoint", ()):  # the checkpoint's table, when it fits
+        tp = args.tensor_model_parallel_size
+        require(args.padded_vocab_size >= args.true_vocab_size and args.padded_vocab_size % tp == 0,
+                f"the checkpoint's {args.padded_vocab_size} vocabulary rows cannot hold the tokenizer's "
+                f"{args.true_vocab_size} ids split over --tensor-model-parallel-size {tp}")
+        return
     args.padded_vocab_size = padded_vocab_size(args.true_vocab_size, args.make_vocab_size_divisible_by,
                                                args.tensor_model_parallel_size)
 

@@ -190,11 +190,12 @@ def _rope_args(s: RopeScaling) -> dict:
 
 
 def trainer_args(m: Model, tp: int, pp: int, padded_vocab: int) -> dict:
-    """The arguments a checkpoint records (checkpointing.MUST_MATCH and DESCRIBED)."""
+    """The arguments a checkpoint records (checkpointing.MUST_MATCH and DESCRIBED), and the model's
+    vocabulary, so that --use-checkpoint-args builds the model from the checkpoint alone."""
     return dict(num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.heads,
                 group_query_attention=m.groups != m.heads, num_query_groups=m.groups,
                 ffn_hidden_size=m.ffn_hidden_size, kv_channels=m.head_dim,
-                padded_vocab_size=padded_vocab, position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                padded_vocab_size=padded_vocab, vocab_size=m.vocab, position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
                 add_bias_linear=False, untie_embeddings_and_output_weights=not m.tied,
                 tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, add_qkv_bias=m.qkv_bias,
                 true_vocab_size=m.vocab, norm_epsilon=m.norm_epsilon, rotary_base=m.rotary_base,

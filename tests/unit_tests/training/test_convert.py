@@ -380,9 +380,11 @@ def test_training_from_a_converted_checkpoint_starts_at_the_hf_loss(tmp_path):
 def test_pretrain_converts_a_converted_checkpoint_to_torch_dist(tmp_path):
     """Megatron's way to torch_dist: pretrain_gpt.py --ckpt-convert-format torch_dist loads the
     released torch checkpoint at tp 2, saves it under --ckpt-convert-save and exits before any
-    data or training; that checkpoint exports to the original model bitwise."""
-    hf_dir, printed = _converted_at_tp2(tmp_path, "llama", "llama3")
-    out = _pretrain(2, printed + (
+    data or training; that checkpoint exports to the original model bitwise. The model's flags
+    and its layout come from the checkpoint (--use-checkpoint-args), not from the printed line."""
+    hf_dir, _ = _converted_at_tp2(tmp_path, "llama", "llama3")
+    read = f"--use-checkpoint-args --use-mp-args-from-checkpoint-args --load {tmp_path / 'ours'} --ckpt-format torch"
+    out = _pretrain(2, read.split() + (
         f"--ckpt-convert-format torch_dist --ckpt-convert-save {tmp_path / 'dist'} --mock-data --seq-length {SEQ} "
         f"--micro-batch-size 1 --train-iters 1 --lr 1e-4 --tokenizer-type NullTokenizer --vocab-size {VOCAB - 1} "
         f"--num-workers 0").split())
