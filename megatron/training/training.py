@@ -161,15 +161,27 @@ def setup(args, pgs, model_provider):
 
 
 def reduce_reports(reports, pgs, device) -> Dict[str, float]:
-    """Per-micro-batch {'name': [sum, count]} -> global means over micro-batches and dp x cp."""
-    if not reports:
-        return {}
+    """Per-micro-batch {'name': [sum, count]} -> global means over micro-batches and dp x cp. A
+    report of one value (Megatron's older loss functions, which average over data parallel
+    themselves) is the mean over micro-batches, as Megatron's train_step takes it."""
     out = {}
-    for key in reports[0]:
-        total = torch.stack([r[key].detach().float().to(device) for r in reports]).sum(dim=0)
+    for key in (reports[0] if reports else ()):
+        values = torch.stack([_report_values(r, key) for r in reports])  # [micro-batches, 1 or 2]
+        if values.shape[1] == 1:
+            out[key] = values.mean().item()
+            continue
+        total = values.sum(dim=0).to(device)
         dist.all_reduce(total, group=pgs.dp_cp)
         out[key] = (total[0] / total[1].clamp(min=1)).item()
     return out
+
+
+def _report_values(report: dict, key: str) -> torch.Tensor:
+    values = report[key].detach().float().view(-1)
+    if values.numel() not in (1, 2):
+        raise ValueError(f"the loss function reports {key!r} as {values.numel()} values: "
+                         "report [sum, count] or one value")
+    return values
 
 
 def _replaying(memo):
@@ -224,7 +236,7 @@ def _settle(memo) -> None:
 def _local_losses(reports) -> List[torch.Tensor]:
     """This rank's reported loss sums, micro-batch by micro-batch: what Megatron's loss checks
     see, before any reduction."""
-    return [r[key][0].detach().float() for r in reports for key in r]
+    return [_report_values(r, key)[0] for r in reports for key in r]
 
 
 def _checked_values(reports, state: TrainState, args) -> Tuple[List[float], Optional[float]]:

@@ -240,9 +240,10 @@ class _Runner:
         if len(parts) == 2:
             # (loss, report): the segment's mean already, weighted by the segment's share of the
             # sequence (segments differ under uniform_comp). Exact for a mean over every token; a
-            # masked loss is exact as (sum, count, report).
+            # masked loss is exact as (sum, count, report). Times the context-parallel size, as
+            # megatron-core scales this form: the gradients are averaged over dp x cp after.
             tokens = self.tokens[m]
-            return parts[0] * (tokens[s] / sum(tokens)) / self.m
+            return parts[0] * (tokens[s] / sum(tokens)) * self.pipe.token_divisor / self.m
         loss, _, _ = parts
         if self.config.calculate_per_token_loss:
             return loss
@@ -272,16 +273,20 @@ class _Runner:
 
     def finish_microbatch(self, m: int) -> None:
         self.segments.pop(m, None)
-        self.tokens.pop(m, None)
+        tokens = self.tokens.pop(m, None)
         state = self.states.pop(m, None)
         if state is not None:
             state.release()
         if m in self.losses:
-            self._report(m, self.losses.pop(m))
+            self._report(self.losses.pop(m), tokens)
 
-    def _report(self, m: int, parts: Dict[int, tuple]) -> None:
+    def _report(self, parts: Dict[int, tuple], tokens: List[int]) -> None:
+        """The micro-batch's report from its segments': [sum, count] pairs add up; a report of one
+        value (a segment's mean) is weighted by the segment's share of the tokens."""
         reports = [p[-1] for _, p in sorted(parts.items())]
-        merged = {key: sum(r[key] for r in reports) for key in reports[0]}
+        shares = [n / sum(tokens) for n in tokens]
+        merged = {key: sum(r[key] * (shares[s] if r[key].numel() == 1 else 1) for s, r in enumerate(reports))
+                  for key in reports[0]}
         self.reports.append(merged)
         if len(next(iter(parts.values()))) == 3:
             self.total_tokens = self.total_tokens + sum(p[1] for p in parts.values())

@@ -106,6 +106,24 @@ def test_a_loss_returned_as_a_mean_weights_unequal_segments_by_their_tokens():
         torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-6)
 
 
+def test_a_report_of_one_value_is_the_sequence_mean_over_unequal_segments():
+    """Segments of 4 and 2 tokens, each reporting its mean: the micro-batch's report is the
+    sequence's mean (each segment weighted by its tokens), as one unsegmented call would report."""
+    init_single_rank_world()
+    xs, _ = data()
+
+    def mean_step(data_iterator, model):
+        out = model(next(data_iterator)["x"])
+        return out, lambda o: (o.mean(), {"lm loss": o.mean().detach()})
+    model = Model(False)
+    reports = forward_backward_seq1f1b(forward_step_func=mean_step, data_iterator=iter({"x": x} for x in xs),
+                                       model=[model], num_microbatches=3, micro_batch_size=2,
+                                       p2p_communicator=Pipeline(1, 0, 1, [4, 2], 4, {}, [0]))
+    with torch.no_grad():
+        whole = [model(x).mean() for x in xs]
+    torch.testing.assert_close(torch.stack([r["lm loss"] for r in reports]), torch.stack(whole))
+
+
 def test_a_micro_batch_with_every_token_masked_adds_nothing():
     """All EOD under --eod-mask-loss: the sequence's token count is 0, and the loss it backprops is
     0 with zero gradients (as megatron-core's clamp), not 0/0 = NaN in every gradient."""
@@ -153,3 +171,49 @@ def test_segments_of_a_pinned_batch_stay_pinned(monkeypatch, pinned):
     run(False, segments=(4, 2))
     # 3 micro-batches x 2 segments x (x [2, n, 4], mask [2, n])
     assert len(pinning) == (12 if pinned else 0)
+
+
+def _iteration_gradient(args, pgs, step) -> torch.Tensor:
+    from megatron.longseq.random import seed_everything
+    from megatron.training.data import random_batches
+    from megatron.training.model import build_model_chunks
+    from megatron.training.training import setup
+
+    seed_everything(args.seed, pgs.index("tp"), torch.device("cpu"))
+    state = setup(args, pgs, lambda a, p, d: build_model_chunks(a, p, d))
+    forward_backward_seq1f1b(forward_step_func=step, data_iterator=random_batches(args, pgs, seed=0),
+                             model=state.model, num_microbatches=args.num_microbatches,
+                             micro_batch_size=args.micro_batch_size, p2p_communicator=state.pipeline)
+    buffer = state.optimizer.buffer
+    buffer.gather_flat(buffer.grad_data)  # the gradient reduced over dp x cp, whole on every rank
+    return buffer.grad_data.clone()
+
+
+def _two_part_loss_under_context_parallelism():
+    import pretrain_gpt
+    from tests.unit_tests.dist_utils import run_groups
+    from tests.unit_tests.model_utils import tiny_args
+
+    def as_a_mean(data_iterator, model):  # pretrain_gpt's loss in the (loss, report) form
+        output, loss_func = pretrain_gpt.forward_step(data_iterator, model)
+
+        def mean(out):  # this rank's sum over the sequence's tokens (the whole cp group's)
+            scaled_sum, tokens, report = loss_func(out)
+            return scaled_sum / args.context_parallel_size / tokens, report
+        return output, mean
+
+    args = tiny_args("--position-embedding-type rope --global-batch-size 2 --context-parallel-size 2 "
+                     "--pipe-sp-splits 2", world_size=2)
+    pgs = run_groups(args)
+    three = _iteration_gradient(args, pgs, pretrain_gpt.forward_step)
+    two = _iteration_gradient(args, pgs, as_a_mean)
+    torch.testing.assert_close(two, three, rtol=1e-5, atol=1e-7)  # fp32: two orders of one sum
+
+
+def test_a_loss_returned_as_a_mean_is_scaled_by_context_parallelism_as_megatron_core_does():
+    """megatron-core multiplies a (loss, report) loss by the cp size before the dp x cp average of
+    the gradients: without it, cp 2 would train on half the gradient (the clip and the weight decay
+    balance silently off)."""
+    from tests.unit_tests.dist_utils import run_ranks
+
+    run_ranks(_two_part_loss_under_context_parallelism, 2)

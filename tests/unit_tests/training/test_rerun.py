@@ -238,6 +238,23 @@ def test_the_checked_values_are_the_local_losses_and_the_gradient_norm():
     assert _checked_values([], state, args) == ([], None)
 
 
+def test_a_report_of_one_value_is_averaged_over_micro_batches_as_megatron_does():
+    """Megatron's older loss functions report {'lm loss': mean} (averaged over data parallel by the
+    function itself): train_step takes the micro-batches' mean, and the loss checks see each value."""
+    from megatron.training.training import _local_losses, reduce_reports
+    from tests.unit_tests.dist_utils import grid_groups, init_single_rank_world
+
+    init_single_rank_world()
+    pgs = grid_groups()
+    means = [{"lm loss": torch.tensor(2.0)}, {"lm loss": torch.tensor(4.0)}]
+    assert reduce_reports(means, pgs, torch.device("cpu")) == {"lm loss": 3.0}
+    assert [v.item() for v in _local_losses(means)] == [2.0, 4.0]
+    pairs = [{"lm loss": torch.tensor([3.0, 4.0])}, {"lm loss": torch.tensor([1.0, 4.0])}]
+    assert reduce_reports(pairs, pgs, torch.device("cpu")) == {"lm loss": 0.5}
+    with pytest.raises(ValueError, match=r"reports 'lm loss' as 3 values: report \[sum, count\] or one value"):
+        reduce_reports([{"lm loss": torch.ones(3)}], pgs, torch.device("cpu"))
+
+
 def test_a_nan_evaluation_loss_stops_the_run():
     from megatron.training.training import _check_evaluation
 
