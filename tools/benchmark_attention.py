@@ -46,7 +46,8 @@ from megatron.longseq.attention.core import AttentionInputs, LongSeqCoreAttentio
 from megatron.longseq.attention.documents import causal_work, lognormal_starts  # noqa: E402
 from megatron.longseq.attention.placement import DocumentLayout  # noqa: E402
 from megatron.longseq.attention.context_parallel import ContextParallel  # noqa: E402
-from megatron.longseq.attention.kernels import BACKENDS, default_scale, grad_like, select_kernel  # noqa: E402
+from megatron.longseq.attention.kernel_choice import BACKENDS, select_kernel  # noqa: E402
+from megatron.longseq.attention.kernels import default_scale, grad_like  # noqa: E402
 from megatron.longseq.attention.loopback import RankThreads  # noqa: E402
 from megatron.longseq.attention.placement import local_token_indices  # noqa: E402
 from megatron.longseq.attention.ring import ring_backward, ring_forward  # noqa: E402

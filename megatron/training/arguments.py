@@ -232,7 +232,8 @@ def _training(p):
                         "cuDNN cannot: head dim > 128, --deterministic-mode), elsewhere flash-attn if "
                         "installed else torch's flash kernel; flash = flash-attn if installed else torch's "
                         "flash kernel; fused = cuDNN attention. GPU fp32: torch's memory-efficient kernel. "
-                        "unfused/local: the fp32 reference. The log names the kernel that ran.")
+                        "unfused/local: the fp32 reference. Attention dropout and dense masks run torch's SDPA, "
+                        "the named kind of kernel first. The log names the kernel that ran.")
     g.add_argument("--deterministic-mode", action="store_true")
     g.add_argument("--exit-interval", type=int)
     g.add_argument("--exit-duration-in-mins", type=float,

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.utils import get_model_config
-from megatron.longseq.attention.kernels import KernelEnv, choose_kernel
+from megatron.longseq.attention.kernel_choice import KernelEnv, choose_kernel
 from megatron.longseq.attention.ledger import LEDGER
 from megatron.longseq.pipeline.p2p import connect_links
 from megatron.longseq.pipeline.seq1f1b import Pipeline, forward_backward_seq1f1b

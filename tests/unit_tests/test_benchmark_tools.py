@@ -178,7 +178,8 @@ def test_the_ring_table_times_the_whole_sequences_gradients(ring):
     """--ring's positions, threads joined by loopback groups, do the work of the whole-sequence
     kernel between them: their dq and dK/dV, put together, are its gradients (fp32: the blocks'
     merges and accumulations reorder sums, ~1e-6)."""
-    from megatron.longseq.attention.kernels import default_scale, select_kernel
+    from megatron.longseq.attention.kernel_choice import select_kernel
+    from megatron.longseq.attention.kernels import default_scale
     from megatron.longseq.attention.loopback import run_threads
     from megatron.longseq.attention.placement import local_token_indices
     from megatron.longseq.parallel_state import RankGrid

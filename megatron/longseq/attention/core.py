@@ -16,13 +16,15 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 import torch
+from torch.nn.attention import sdpa_kernel
 
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 from megatron.longseq.attention.comm import seq_all_to_all
 from megatron.longseq.attention.context_parallel import ContextParallel
 from megatron.longseq.attention.documents import document_ids
-from megatron.longseq.attention.kernels import AttentionKernel, default_scale, select_kernel
+from megatron.longseq.attention.kernel_choice import sdpa_backends, select_kernel
+from megatron.longseq.attention.kernels import AttentionKernel, default_scale
 from megatron.longseq.attention.ledger import LEDGER
 from megatron.longseq.attention.placement import DocumentLayout, split_heads
 from megatron.longseq.attention.ring import ring_attention
@@ -185,8 +187,10 @@ class LongSeqCoreAttention(MegatronModule):
         query must NOT see a key; SDPA's boolean mask is True where it may."""
         mask = None if attention_mask is None else ~attention_mask
         self.kernel_ran = SDPA
+        backends = sdpa_backends(self.config.attention_backend.name, q.device.type)  # the flag's kind first
         # Heads are split over tp ranks: dropout draws from the per-rank stream.
-        with get_rng_tracker().fork() if dropout > 0.0 else contextlib.nullcontext():
+        with get_rng_tracker().fork() if dropout > 0.0 else contextlib.nullcontext(), \
+                sdpa_kernel(backends, set_priority=True) if backends else contextlib.nullcontext():
             return torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
                 scale=self.scale, enable_gqa=q.shape[1] != k.shape[1],

@@ -31,7 +31,7 @@ class KernelContractError(ValueError):
     """A call that a CUDA attention kernel would silently get wrong."""
 
 
-def contract_violations(q, k, v, out=None, lse=None, dout=None) -> List[str]:
+def contract_violations(q, k, v, out=None, lse=None, dout=None, causal=False) -> List[str]:
     """What in this call breaks the kernel contract (empty when nothing does)."""
     problems = [f"{name} needs 4 dims and a unit last stride, got shape {tuple(t.shape)} strides {t.stride()}"
                 for name, t in (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout))
@@ -41,6 +41,8 @@ def contract_violations(q, k, v, out=None, lse=None, dout=None) -> List[str]:
     b, hq, sq, _ = q.shape
     if hq % k.shape[1] or k.shape != v.shape:
         problems.append(f"k {tuple(k.shape)} and v {tuple(v.shape)} must match, with heads dividing q's {hq}")
+    if causal and sq != k.shape[2]:  # CUDA flash kernels align such a mask bottom-right, the others top-left
+        problems.append(f"a causal block must be square, got {sq} queries and {k.shape[2]} keys")
     if lse is not None and (lse.dtype != torch.float32 or tuple(lse.shape) != (b, hq, sq) or not lse.is_contiguous()):
         problems.append(f"lse must be a contiguous float32 [b, hq, sq] = {[b, hq, sq]} tensor, got "
                         f"{lse.dtype} {list(lse.shape)} strides {lse.stride()}")
@@ -107,8 +109,8 @@ def same_layout(a: Tensor, b: Tensor) -> bool:
     return a.shape == b.shape and all(x == y or n == 1 for x, y, n in zip(a.stride(), b.stride(), a.shape))
 
 
-def check_contract(q, k, v, out=None, lse=None, dout=None) -> None:
-    problems = contract_violations(q, k, v, out, lse, dout)
+def check_contract(q, k, v, out=None, lse=None, dout=None, causal=False) -> None:
+    problems = contract_violations(q, k, v, out, lse, dout, causal)
     if problems:
         raise KernelContractError("attention kernel contract: " + "; ".join(problems))
 
@@ -125,13 +127,13 @@ class AttentionKernel:
     name = "abstract"
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tuple[Tensor, Tensor]:
-        check_contract(q, k, v)
+        check_contract(q, k, v, causal=causal)
         out, lse = self._forward(q, k, v, causal, scale)
         check_contract(q, k, v, out, lse)
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, causal: bool, scale: float) -> Tuple[Tensor, Tensor, Tensor]:
-        check_contract(q, k, v, out, lse, dout)
+        check_contract(q, k, v, out, lse, dout, causal)
         return self._checked_grads(self._backward(dout, q, k, v, out, lse, causal, scale), q, k, v)
 
     # A variable-length entry (varlen = True): many sequences in one call (varlen.py), layout
@@ -319,7 +321,9 @@ class TorchCudnnKernel(AttentionKernel):
         res = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
         out, lse = res[0], res[1]
         self._lse_rank = lse.dim()
-        return out, lse.view(q.shape[:3])  # [b, h, s(, 1)] -> [b, h, s]
+        # [b, h, s(, 1)] -> [b, h, s], dense: under TORCH_CUDNN_SDPA_AVOID_RECOMPILE torch lays it out
+        # [b, s, h, 1] transposed, and the contract (and the ring's merges) want it contiguous
+        return out, lse.reshape(q.shape[:3]).contiguous()
 
     # Packed documents go to torch's flash varlen entry: one call for many pieces, and no graph to
     # build per shape (cuDNN's own ragged entry is for nested tensors, and builds graphs too).
@@ -423,130 +427,42 @@ class FlashAttnKernel(AttentionKernel):
         return dq, dk, dv
 
 
-# ---- selection ------------------------------------------------------------------------------
+class PaddedHeadDim(AttentionKernel):
+    """A kernel run on a head dim zero-padded to a multiple of `multiple`: the fp16/bf16 CUDA
+    kernels take only such head dims (torch's memory-efficient kernel has no unaligned half
+    kernels from sm80 on; flash-attn pads the same way in its own wrapper). Exact: zero channels
+    add nothing to q.k, so scores and lse are unchanged, and zero v channels give zero out
+    channels, which are cut off (the scale is the caller's, from the true head dim)."""
 
-BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+    def __init__(self, inner: AttentionKernel, multiple: int = 8):
+        self.inner, self.multiple = inner, multiple
+        self.name = f"{inner.name} (head dim padded to a multiple of {multiple})"
+        self.varlen = inner.varlen
 
-KERNELS = {k.name: k for k in (ReferenceKernel, TorchCpuFlashKernel, TorchCudaFlashKernel, TorchCudnnKernel,
-                                TorchCudaEfficientKernel, FlashAttnKernel)}
+    def _pad(self, x: Tensor) -> Tensor:
+        return torch.nn.functional.pad(x, (0, (-x.shape[-1]) % self.multiple))  # [..., d] -> [..., d']
 
+    def _forward(self, q, k, v, causal, scale):
+        out, lse = self.inner.forward(*map(self._pad, (q, k, v)), causal, scale)
+        return _cut(out, q), lse
 
-@dataclass(frozen=True)
-class KernelEnv:
-    """What the choice of a kernel depends on; `probe` reads it off the machine, tests build it."""
+    def _backward(self, dout, q, k, v, out, lse, causal, scale):
+        grads = self.inner.backward(*map(self._pad, (dout, q, k, v, out)), lse, causal, scale)
+        return tuple(_cut(g, x) for g, x in zip(grads, (q, k, v)))
 
-    device_type: str  # "cpu" or "cuda"
-    dtype: torch.dtype
-    head_dim: int
-    capability: Tuple[int, int] = (0, 0)  # CUDA compute capability
-    cudnn_version: int = 0  # torch.backends.cudnn.version(), 0 without cuDNN
-    flash_attn_version: Optional[str] = None  # None: flash-attn not installed
-    deterministic: bool = False  # torch.are_deterministic_algorithms_enabled()
+    def _forward_varlen(self, q, k, v, seqs, scale):
+        out, lse = self.inner.forward_varlen(*map(self._pad, (q, k, v)), seqs, scale)
+        return _cut(out, q), lse
 
-    @classmethod
-    def probe(cls, device: torch.device, dtype: torch.dtype, head_dim: int) -> "KernelEnv":
-        cuda = device.type == "cuda"
-        return cls(device.type, dtype, head_dim,
-                   capability=torch.cuda.get_device_capability(device) if cuda else (0, 0),
-                   cudnn_version=(torch.backends.cudnn.version() or 0) if cuda else 0,
-                   flash_attn_version=_flash_attn_version() if cuda else None,
-                   deterministic=torch.are_deterministic_algorithms_enabled())
-
-    @property
-    def half(self) -> bool:
-        return self.dtype in (torch.float16, torch.bfloat16)
-
-    def flash_refusal(self) -> Optional[str]:
-        """Why the flash kernels (torch's and flash-attn's, called without SDPA's padding) cannot take
-        this run (None: they can)."""
-        if tuple(self.capability) < (8, 0):
-            return f"they need an sm80 or newer GPU (found sm{self.capability[0]}{self.capability[1]})"
-        if self.head_dim % 8 or self.head_dim > 256:
-            return f"they need a head dim <= 256 and a multiple of 8 (got {self.head_dim})"
-        return None
-
-    def cudnn_refusal(self) -> Optional[str]:
-        """Why torch's cuDNN attention cannot take this run (None: it can)."""
-        if not self.half:
-            return "it needs fp16/bf16"
-        if self.cudnn_version < 90000:
-            return f"it needs cuDNN >= 9 (found {self.cudnn_version or 'none'})"
-        if self.head_dim % 8 or self.head_dim > 128:
-            return f"it needs a head dim <= 128 and a multiple of 8 (got {self.head_dim})"
-        if self.deterministic:  # called directly, its backward ignores deterministic mode
-            return "its backward is not deterministic (--deterministic-mode)"
-        return None
+    def _backward_varlen(self, dout, q, k, v, out, lse, seqs, scale):
+        grads = self.inner.backward_varlen(*map(self._pad, (dout, q, k, v, out)), lse, seqs, scale)
+        return tuple(_cut(g, x) for g, x in zip(grads, (q, k, v)))
 
 
-def _flash_attn_version() -> Optional[str]:
-    try:
-        import flash_attn
-    except ImportError:
-        return None
-    return getattr(flash_attn, "__version__", "0")
-
-
-def check_flash_attn_version(version: str) -> None:
-    """One line when the installed flash-attn has other private signatures than FlashAttnKernel's."""
-    from packaging.specifiers import SpecifierSet
-
-    supported = SpecifierSet(",".join(FLASH_ATTN_SUPPORTED))
-    if version not in supported:
-        raise ValueError(f"flash-attn {version} is installed, but this trainer calls the flash-attn "
-                         f"{supported} interface: pip install 'flash-attn{supported}', or uninstall it")
-
-
-def choose_kernel(backend: str, env: KernelEnv) -> str:
-    """Megatron's --attention-backend values mapped to the kernels present (names in KERNELS):
-    unfused / local -> the fp32 reference (materialises scores), on any device;
-    on CPU every other value -> torch's CPU flash kernel;
-    on CUDA:
-      auto  -> fp16/bf16: Hopper or Blackwell (sm90/sm100): torch cuDNN attention, else flash-attn,
-               else torch's flash kernel; older GPUs: flash-attn, else torch's flash kernel; where
-               no flash kernel can run (before sm80, a head dim not a multiple of 8 or above
-               256): torch's memory-efficient kernel. fp32: torch's memory-efficient kernel.
-               (torch's SDPA, too, puts cuDNN first on sm90/sm100 with a recent cuDNN, flash first
-               elsewhere, the memory-efficient kernel last.)
-      flash -> flash-attn if installed, else torch's flash kernel (fp16/bf16 only);
-      fused -> torch cuDNN attention for fp16/bf16 (Megatron's "fused" is TE's cuDNN attention),
-               torch's memory-efficient kernel for fp32."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; choose from {BACKENDS}")
-    if backend in ("unfused", "local"):
-        return ReferenceKernel.name
-    if env.device_type != "cuda":
-        return TorchCpuFlashKernel.name
-    if backend == "fused":
-        return _fused(env)
-    if not env.half:
-        if backend == "flash":
-            raise ValueError("--attention-backend flash needs fp16/bf16 on GPU (use --bf16)")
-        return TorchCudaEfficientKernel.name
-    if backend == "auto" and env.capability[0] in (9, 10) and env.cudnn_refusal() is None:
-        return TorchCudnnKernel.name
-    refusal = env.flash_refusal()
-    if refusal is not None:
-        if backend == "flash":
-            raise ValueError(f"--attention-backend flash: the flash kernels cannot run here: {refusal}")
-        return TorchCudaEfficientKernel.name
-    if env.flash_attn_version is None:
-        return TorchCudaFlashKernel.name
-    check_flash_attn_version(env.flash_attn_version)  # it is the one that would run
-    return FlashAttnKernel.name
-
-
-def _fused(env: KernelEnv) -> str:
-    if not env.half:
-        return TorchCudaEfficientKernel.name
-    refusal = env.cudnn_refusal()
-    if refusal is not None:
-        raise ValueError(f"--attention-backend fused is cuDNN attention, and {refusal}")
-    return TorchCudnnKernel.name
-
-
-def select_kernel(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int = 64) -> AttentionKernel:
-    """The kernel choose_kernel names for this machine, ready to call."""
-    return KERNELS[choose_kernel(backend, KernelEnv.probe(device, dtype, head_dim))]()
+def _cut(padded: Tensor, like: Tensor) -> Tensor:
+    """`padded` [..., d'] cut to like's d, dense: a view would carry the padded row strides, which
+    autograd's gradients (laid out dense) would not match."""
+    return padded[..., :like.shape[-1]].contiguous()
 
 
 def default_scale(head_dim: int, softmax_scale: Optional[float]) -> float:

@@ -107,6 +107,35 @@ def test_dropout_only_in_training_and_replayed_by_selective_recompute():
         assert torch.equal(a, b)  # recompute redraws the very same dropout mask
 
 
+@pytest.mark.parametrize("backend, device, kinds", [
+    ("unfused", "cpu", ["MATH"]), ("local", "cuda", ["MATH"]), ("auto", "cuda", None), ("flash", "cpu", None),
+    ("flash", "cuda", ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"]),
+    ("fused", "cuda", ["CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"]),
+])
+def test_under_dropout_sdpa_runs_the_kind_of_kernel_the_backend_names(backend, device, kinds):
+    from megatron.longseq.attention.kernel_choice import sdpa_backends
+
+    got = sdpa_backends(backend, device)
+    assert (None if got is None else [b.name for b in got]) == kinds
+
+
+def test_the_sdpa_path_attends_under_the_backends_the_flag_names(monkeypatch):
+    """Attention dropout goes through torch's SDPA: --attention-backend unfused is its math path
+    there too, not whichever kernel SDPA would pick."""
+    from megatron.longseq.attention import core
+
+    seen, real = [], core.sdpa_kernel
+
+    def spy(backends, set_priority=False):
+        seen.append(([b.name for b in backends], set_priority))
+        return real(backends, set_priority=set_priority)
+    monkeypatch.setattr(core, "sdpa_kernel", spy)
+    seed_everything(7, tp_rank=0, device=torch.device("cpu"))
+    module(config(dropout=0.5, backend="unfused")).train()(*inputs(), None)
+    module(config(dropout=0.5, backend="auto")).train()(*inputs(), None)
+    assert seen == [(["MATH"], True)]
+
+
 def test_a_segment_without_position_ids_is_refused():
     """0..s-1 would give every Seq1F1B segment the first one's RoPE angles."""
     from megatron.longseq.attention.segments import SegmentSlot, SegmentState

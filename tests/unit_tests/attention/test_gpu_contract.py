@@ -20,6 +20,19 @@ from tests.unit_tests.attention.test_kernels import naive
 from tests.unit_tests.dist_utils import grid_groups, run_ranks
 
 
+def test_a_causal_block_that_is_not_square_is_refused():
+    """CUDA flash kernels align a causal mask bottom-right, the CPU and cuDNN kernels top-left: such
+    a block would pass on CPU and attend other keys on GPU."""
+    q, k = torch.randn(1, 2, 2, 8), torch.randn(1, 2, 4, 8)
+    try:
+        TorchCpuFlashKernel().forward(q, k, k, True, 0.5)
+    except KernelContractError as err:
+        assert "a causal block must be square, got 2 queries and 4 keys" in str(err)
+    else:
+        raise AssertionError("accepted a causal block of 2 queries and 4 keys")
+    TorchCpuFlashKernel().forward(q, k, k, False, 0.5)  # a full block of any shape is fine
+
+
 def test_contract_rejects_what_cuda_kernels_misread():
     q = torch.randn(1, 2, 8, 4)
     lse = torch.randn(1, 2, 16)[:, :, 8:]  # a slice of a longer row: strides (32, 16, 1)

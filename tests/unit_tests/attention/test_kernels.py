@@ -4,9 +4,10 @@ import math
 import pytest
 import torch
 
+from megatron.longseq.attention.kernel_choice import KernelEnv, choose_kernel, select_kernel
 from megatron.longseq.attention.kernels import (
-    FLASH_ATTN_SUPPORTED, KernelContractError, KernelEnv, ReferenceKernel, TorchCpuFlashKernel,
-    TorchCudaEfficientKernel, TorchCudaFlashKernel, TorchCudnnKernel, choose_kernel, select_kernel,
+    FLASH_ATTN_SUPPORTED, KernelContractError, PaddedHeadDim, ReferenceKernel, TorchCpuFlashKernel,
+    TorchCudaEfficientKernel, TorchCudaFlashKernel, TorchCudnnKernel,
 )
 from megatron.longseq.attention.local import local_attention
 
@@ -31,10 +32,10 @@ def make(b=2, hq=4, hkv=4, s=48, d=16, dtype=torch.float32, device="cpu", seed=0
     return [x.to(device=device, dtype=dtype) for x in (q, k, v)]
 
 
-def check_kernel(kernel, dtype, device, atol):
+def check_kernel(kernel, dtype, device, atol, d=16):
     for hq, hkv in ((4, 4), (4, 2), (4, 1)):
         for causal in (True, False):
-            q, k, v = make(hq=hq, hkv=hkv, dtype=dtype, device=device)
+            q, k, v = make(hq=hq, hkv=hkv, d=d, dtype=dtype, device=device)
             scale = 1 / math.sqrt(q.shape[-1])
             q64, k64, v64 = (x.detach().cpu().double().requires_grad_() for x in (q, k, v))
             ref_out, ref_lse = naive(q64, k64, v64, causal, scale)
@@ -79,6 +80,31 @@ def test_cuda_cudnn_kernel_bf16():
 def test_cuda_efficient_kernel_fp32():
     # TF32 is off for these matmuls by default in torch; fp32 accumulation as on CPU.
     check_kernel(TorchCudaEfficientKernel(), torch.float32, "cuda", atol=1e-4)
+
+
+@pytest.mark.parametrize("inner", [ReferenceKernel(), TorchCpuFlashKernel()], ids=lambda k: k.name)
+def test_a_head_dim_padded_to_a_multiple_of_8_is_exact(inner):
+    """fp16/bf16 CUDA kernels take head dims in multiples of 8 only: d = 20 runs on 24 channels,
+    against float64 attention on the 20 (fp32: the tolerance of the kernels unpadded)."""
+    check_kernel(PaddedHeadDim(inner), torch.float32, "cpu", atol=2e-5, d=20)
+
+
+def test_a_half_precision_head_dim_off_the_multiple_of_8_runs_padded_on_gpu(monkeypatch):
+    from megatron.longseq.attention import kernel_choice
+
+    monkeypatch.setattr(kernel_choice.KernelEnv, "probe", classmethod(lambda cls, device, dtype, d: _env(head_dim=d)))
+    padded = select_kernel("auto", torch.device("cuda"), torch.bfloat16, 100)
+    assert isinstance(padded, PaddedHeadDim) and padded.inner.name == "torch-cudnn"
+    assert padded.name == "torch-cudnn (head dim padded to a multiple of 8)"
+    assert select_kernel("auto", torch.device("cuda"), torch.bfloat16, 96).name == "torch-cudnn"
+    assert select_kernel("unfused", torch.device("cuda"), torch.bfloat16, 100).name == "reference"
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_auto_kernel_bf16_head_dim_20():
+    """What a head dim of 20 runs in bf16 on this GPU (padded to 24)."""
+    kernel = select_kernel("auto", torch.device("cuda"), torch.bfloat16, 20)
+    check_kernel(kernel, torch.bfloat16, "cuda", atol=3e-2, d=20)
 
 
 def test_backward_with_merged_lse_is_the_gradient_of_the_merged_output():
@@ -136,8 +162,13 @@ def _env(**changes):
     ("auto", _env(capability=(8, 0)), "torch-cuda-flash"),  # Ampere: flash first, as torch orders it
     ("auto", _env(capability=(8, 0), flash_attn_version="2.7.4.post1"), "flash-attn"),
     ("auto", _env(dtype=torch.float32), "torch-cuda-efficient"),
-    ("auto", _env(capability=(7, 5), flash_attn_version="2.8.3"), "torch-cuda-efficient"),  # before sm80
-    ("auto", _env(head_dim=100), "torch-cuda-efficient"),  # no flash kernel takes d % 8 != 0 unpadded
+    ("auto", _env(head_dim=100), "torch-cudnn"),  # on d padded to 104 (PaddedHeadDim)
+    ("auto", _env(head_dim=100, capability=(8, 0)), "torch-cuda-flash"),
+    ("auto", _env(head_dim=100, dtype=torch.float32), "torch-cuda-efficient"),  # fp32 takes any d
+    ("auto", _env(head_dim=224, capability=(8, 9)), "torch-cuda-efficient"),  # FA2's backward: no room
+    ("auto", _env(head_dim=224, capability=(8, 0)), "torch-cuda-flash"),
+    ("auto", _env(head_dim=256, capability=(8, 9)), "torch-cuda-flash"),
+    ("auto", _env(capability=(7, 5), dtype=torch.float16, flash_attn_version="2.8.3"), "torch-cuda-efficient"),
     ("auto", _env(head_dim=320, flash_attn_version="2.8.3"), "torch-cuda-efficient"),  # nor d > 256
     ("flash", HOPPER, "torch-cuda-flash"),
     ("flash", _env(flash_attn_version="2.8.3"), "flash-attn"),
@@ -152,8 +183,11 @@ def test_kernel_choice(backend, env, kernel):
     ("auto", _env(flash_attn_version="2.6.3", capability=(8, 0)), "flash-attn 2.6.3 is installed"),
     ("flash", _env(flash_attn_version="2.9.0"), "flash-attn 2.9.0 is installed"),
     ("flash", _env(dtype=torch.float32), "needs fp16/bf16"),
-    ("flash", _env(head_dim=100), "a head dim <= 256 and a multiple of 8"),
-    ("flash", _env(capability=(7, 0)), "sm80 or newer GPU .found sm70"),
+    ("flash", _env(head_dim=260), "a head dim <= 256 and a multiple of 8 .got 264"),  # 260 padded
+    ("flash", _env(head_dim=200, capability=(12, 0)), "head dims 193-224 does not fit sm120's shared memory"),
+    ("auto", _env(capability=(7, 5)), "bf16 attention kernels need an sm80 or newer GPU .found sm75"),
+    ("fused", _env(capability=(7, 0), dtype=torch.float16), "it needs an sm80 to sm121 GPU .found sm70"),
+    ("flash", _env(capability=(7, 0), dtype=torch.float16), "sm80 or newer GPU .found sm70"),
     ("fused", _env(deterministic=True), "not deterministic"),
     ("fused", _env(cudnn_version=8907), "cuDNN >= 9"),
 ])
@@ -211,6 +245,21 @@ def test_cudnn_kernel_gives_its_backward_the_lse_rank_its_forward_returned():
         torch.ops.aten._scaled_dot_product_cudnn_attention_backward = real
     assert kernel._lse_rank == 4  # this torch's cuDNN op returns [b, h, s, 1] (older ones [b, h, s])
     assert seen == [torch.Size([1, 2, 64, 1])] and lse.shape == (1, 2, 64)
+
+
+def test_cudnn_kernel_hands_out_a_dense_lse_in_any_layout_cudnn_gives(monkeypatch):
+    """Under TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 torch allocates cuDNN's lse [b, s, h, 1] and returns
+    it transposed: the kernel still hands out a contiguous [b, h, s] (the contract would stop it)."""
+    real = torch.ops.aten._scaled_dot_product_cudnn_attention
+
+    def transposed_lse(*args, **kwargs):
+        res = real(*args, **kwargs)
+        b, h, s = res[1].shape[:3]
+        return (res[0], torch.empty(b, s, h, 1, device="meta").transpose(1, 2), *res[2:])
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", transposed_lse)
+    q = torch.empty(2, 2, 64, 64, device="meta", dtype=torch.bfloat16)
+    _, lse = TorchCudnnKernel().forward(q, q, q, True, 0.125)
+    assert lse.shape == (2, 2, 64) and lse.is_contiguous()
 
 
 def test_a_strided_lse_never_reaches_a_kernel():

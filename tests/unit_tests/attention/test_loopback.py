@@ -10,7 +10,7 @@ import torch
 from megatron.longseq.attention.context_parallel import ContextParallel
 from megatron.longseq.attention.core import AttentionInputs, LongSeqCoreAttention
 from megatron.longseq.attention.documents import lognormal_starts
-from megatron.longseq.attention.kernels import select_kernel
+from megatron.longseq.attention.kernel_choice import select_kernel
 from megatron.longseq.attention.loopback import LoopbackGroup, Mailbox, RankThreads, run_group
 from megatron.longseq.attention.placement import local_token_indices
 from megatron.longseq.parallel_state import RankGrid

@@ -11,7 +11,7 @@ import torch
 from megatron.longseq.attention import varlen
 from megatron.longseq.attention.documents import (Piece, Pieces, balanced_ring_tokens, block_pieces, document_ids,
                                                   lognormal_starts)
-from megatron.longseq.attention.kernels import (FlashAttnKernel, KernelContractError, TorchCudaFlashKernel,
+from megatron.longseq.attention.kernels import (FlashAttnKernel, KernelContractError, PaddedHeadDim, TorchCudaFlashKernel,
                                                 TorchCudnnKernel, Varlen)
 from megatron.longseq.attention.ring import _Rows, add_block_grads, block_backward, block_forward
 from tests.unit_tests.attention.contract_kernel import (ContractKernel, flash_varlen_backward, flash_varlen_forward,
@@ -147,12 +147,12 @@ def test_a_block_through_the_varlen_entry_equals_it_piece_by_piece(monkeypatch, 
 
 # ---- the kernels' varlen entry ------------------------------------------------------------------------
 
-def _packed(lengths_q, lengths_k, hq, hkv, dtype=torch.float32, seed=0):
+def _packed(lengths_q, lengths_k, hq, hkv, dtype=torch.float32, seed=0, d=D):
     g = torch.Generator().manual_seed(seed)
     cu = [torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32) for lengths in
           (lengths_q, lengths_k)]
-    q = torch.randn(sum(lengths_q), hq, D, generator=g).to(dtype)
-    k, v = (torch.randn(sum(lengths_k), hkv, D, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(sum(lengths_q), hq, d, generator=g).to(dtype)
+    k, v = (torch.randn(sum(lengths_k), hkv, d, generator=g).to(dtype) for _ in range(2))
     return q, k, v, cu
 
 
@@ -191,9 +191,20 @@ def test_cuda_kernels_varlen_entry_is_attention_per_sequence(monkeypatch, kernel
     (fp32 kernel: 1e-5)."""
     install_flash_varlen_stand_ins(monkeypatch.setattr)
     install_fake_flash_attn(monkeypatch.setitem)
+    _check_varlen_entry(kernel, causal, D)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_padded_head_dim_through_the_varlen_entry_is_attention_per_sequence(monkeypatch, causal):
+    """d = 20, which fp16/bf16 CUDA kernels take only padded to 24 (PaddedHeadDim)."""
+    install_flash_varlen_stand_ins(monkeypatch.setattr)
+    _check_varlen_entry(lambda: PaddedHeadDim(TorchCudaFlashKernel()), causal, 20)
+
+
+def _check_varlen_entry(kernel, causal, d):
     lengths_q = [3, 1, 6, 2]
     lengths_k = lengths_q if causal else [4, 2, 1, 5]
-    q, k, v, (cu_q, cu_k) = _packed(lengths_q, lengths_k, 4, 2)
+    q, k, v, (cu_q, cu_k) = _packed(lengths_q, lengths_k, 4, 2, d=d)
     seqs = Varlen(cu_q, cu_k, max(lengths_q), max(lengths_k), q.shape[0], k.shape[0], causal)
     out, lse = kernel().forward_varlen(q, k, v, seqs, 0.3)
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
