@@ -23,8 +23,9 @@ setup(
         "ortools",
         "tensorboard",
         "psutil",  # megatron-core's torch_dist checkpoint writer measures its worker processes with it
-        # HuggingFaceTokenizer and GPT2BPETokenizer load local files through transformers.
-        "transformers",
+        # HuggingFaceTokenizer and GPT2BPETokenizer load local files through transformers; the
+        # converter and passkey_eval read RoPE from config.rope_parameters, which 4.x does not have
+        "transformers>=5",
         "tokenizers",
         "matplotlib",  # timelines and plans drawn by tools/
     ],

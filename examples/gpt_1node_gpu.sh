@@ -5,7 +5,9 @@
 #       bash examples/gpt_1node_gpu.sh [extra flags]
 # Without DATA it trains on mock data. ITERS (1000) and WARMUP (100) set the schedule's length; CKPT
 # the checkpoint directory it saves to and resumes from (CKPT=none: no checkpoints, e.g. a short
-# timing run; a second run with the same CKPT resumes where the first one ended).
+# timing run; a second run with the same CKPT resumes where the first one ended). SEQ (8192) is
+# the sequence length, TB (runs/gpt-1.3b) the TensorBoard directory, GPUS (every visible one) the
+# ranks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # One hardware queue: a tensor-parallel all-gather / reduce-scatter launched before the GEMM it

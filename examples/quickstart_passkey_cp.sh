@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Long-range learning under context parallelism on CPU: passkey retrieval (a key planted in the
 # first quarter, asked at the end) with 2D attention over 4 ranks -- head-parallel 2 x ring 2,
-# context-first placement. The answer loss starts near ln(256) = 5.5 (any token), comes down to
+# context-first placement. The answer loss starts near ln(384) = 5.95 (any of the padded vocabulary's
+# rows: 256 ids and the end-of-document one, padded to a multiple of 128), comes down to
 # chance, ln(10) = 2.30, once the model knows the key is one of ten tokens, and falls well below it
 # only because every query attends over the whole sequence across the ranks. A few minutes on two
 # cores.

@@ -9,9 +9,11 @@ import os
 import sys
 from typing import Callable, Optional, Sequence, Tuple, Type
 
+from megatron.training.arguments import DefaultsHelpFormatter
 
-class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The module docstring as written, and "(default: X)" after each flag's help."""
+
+class _Formatter(argparse.RawDescriptionHelpFormatter, DefaultsHelpFormatter):
+    """The module docstring as written, and "(default: X)" after each flag's help (the trainer's rule)."""
 
 
 def parser(doc: str, **kw) -> argparse.ArgumentParser:

@@ -12,8 +12,10 @@ time, without training: `base:THETA` sets the base, `linear:FACTOR` interpolates
 The samples are --passkey-data's (megatron/training/passkey.py) with a seed training did not use;
 give training's --vocab-size, --passkey-length and --passkey-depth. A sample is retrieved when each
 key token is the most likely next token, over the whole vocabulary, given the true tokens before it
-(QUERY and the key so far); the answer loss is the mean cross-entropy of the key tokens, the
-trainer's validation loss on the same samples (chance: ln 10 = 2.30 per token).
+(QUERY and the key so far); the answer loss is the mean cross-entropy of the key tokens (chance:
+ln 10 = 2.30 per token). It is taken over the exported vocabulary: the trainer's validation loss
+on the same samples also spreads probability over the padded rows the export cuts off, so it sits
+above this one by up to log(1 + padded mass / exported mass).
 """
 from __future__ import annotations
 
@@ -84,6 +86,21 @@ def check_model(p: argparse.ArgumentParser, row: List[str], vocab_size: int) -> 
         p.error(f"--model {label!r}: {directory} holds a {config.model_type} model, not a causal language model")
     if len(row) == 3 and not getattr(config, "rope_parameters", None):
         p.error(f"--model {label!r}: the model has no RoPE parameters to change")
+    for name in sorted(n for n in os.listdir(directory) if n.endswith(".safetensors")):
+        if not readable_weights(os.path.join(directory, name)):
+            p.error(f"--model {label!r}: {os.path.join(directory, name)} is not a readable safetensors file")
+
+
+def readable_weights(path: str) -> bool:
+    """The file's header reads (a cut or corrupt export fails here, before any model runs)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            f.keys()
+    except Exception:  # noqa: BLE001 -- safetensors raises its own SafetensorError, an Exception
+        return False
+    return True
 
 
 def transformers_causal_lms():

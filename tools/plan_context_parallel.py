@@ -1,4 +1,4 @@
-"""Rank 2D-attention layouts with LoongTrain's cost model (section 4.5) and print the table.
+r"""Rank 2D-attention layouts with LoongTrain's cost model (section 4.5) and print the table.
 
     python tools/plan_context_parallel.py --seq-length 131072 --hidden-size 4096 \
         --num-attention-heads 32 --num-query-groups 8 --context-parallel-size 64 \

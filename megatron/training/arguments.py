@@ -18,6 +18,16 @@ class ArgsError(ValueError):
     """Bad command line; reported as one line before any process group exists."""
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default after its help, but for a switch (--no-x's default of True reads as the
+    opposite of what it does) and for a help that states its default itself."""
+
+    def _get_help_string(self, action):
+        if action.nargs == 0 or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse prints usage + error; we want the one line only
         raise ArgsError(message)
@@ -131,7 +141,8 @@ def _data(p):
     g.add_argument("--passkey-depth", type=float, default=0.25,
                    help="the key lies in this first fraction of the sequence (1: anywhere before the query)")
     g.add_argument("--data-path", nargs="*", default=None)
-    g.add_argument("--split", type=str, default=None)
+    g.add_argument("--split", type=str, default=None,
+                   help="train, valid, test weights of --data-path (default: 969, 30, 1, Megatron's)")
     for name in ("train", "valid", "test"):
         g.add_argument(f"--{name}-data-path", nargs="*", default=None,
                        help=f"the {name} split's own corpus ('prefix ...' or 'weight prefix ...'), "
@@ -431,7 +442,7 @@ def _unsupported_dest(flag: str) -> str:
 
 def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     parser = _Parser(prog="pretrain_gpt.py", description="Megatron-LongSeq GPT pretraining", allow_abbrev=False,
-                     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                     formatter_class=DefaultsHelpFormatter,
                      exit_on_error=False)
     for add in (_model, _parallel, _data, _training, _fusions, _checkpoint_and_logging, _compat):
         add(parser)

@@ -36,7 +36,7 @@ HELP = {
     '--split': 'train/valid/test split of --data-path',
     '--data-cache-path': 'where dataset indices are cached',
     '--tokenizer-type': 'tokenizer',
-    '--tokenizer-model': 'HuggingFace tokenizer name or path',
+    '--tokenizer-model': 'a local Hugging Face tokenizer directory (nothing is downloaded)',
     '--vocab-file': 'GPT-2 vocab.json',
     '--merge-file': 'GPT-2 merges.txt',
     '--seed': 'random seed',

@@ -55,7 +55,9 @@ NEEDS_SWITCH = {"--use-pytorch-profiler": _PROFILE, "--profile-step-start": _PRO
 "--rope-scaling-factor": _LLAMA3, "--rotary-scaling-factor": _YARN, "--beta-fast": _YARN,
                 "--beta-slow": _YARN, "--mscale": _YARN, "--mscale-all-dim": _YARN,
                 "--original-max-position-embeddings": ("--use-rope-scaling or --rope-type yarn",
-                                                       lambda a: a.use_rope_scaling or a.rope_type == "yarn")}
+                                                       lambda a: a.use_rope_scaling or a.rope_type == "yarn"),
+                **{f"--memo-{name}": ("--memo", lambda a: a.memo)
+                   for name in ("swap-fraction", "planner", "plan", "save-plan", "host-memory-gb")}}
 
 # megatron-core's StrictHandling values (spelled out: importing megatron.core costs seconds, and
 # --help and bad command lines answer before it is imported; a test keeps the two equal).

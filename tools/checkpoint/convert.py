@@ -1,4 +1,4 @@
-"""Convert between Hugging Face Llama / Mistral / Qwen2 safetensors and this trainer's checkpoints.
+r"""Convert between Hugging Face Llama / Mistral / Qwen2 safetensors and this trainer's checkpoints.
 
     python tools/checkpoint/convert.py --loader hf --saver megatron --load-dir llama-hf/ \
         --save-dir ckpt/ --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2

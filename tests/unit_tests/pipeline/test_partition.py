@@ -131,7 +131,7 @@ def test_packed_documents_get_segments_of_equal_cost():
     static = uniform_comp(131072, 4, granularity=8, **LLAMA_7B)
     ours = document_partition(starts, 4, granularity=8, max_length=max(static), **LLAMA_7B)
     spread = [max(c) * len(c) / sum(c) for c in (segment_costs(cost, static), segment_costs(cost, ours))]
-    assert spread[0] > 1.3 and spread[1] < 1.001
+    assert round(spread[0], 2) == 1.41 and spread[1] < 1.001  # the figures README.md quotes (seeded)
     assert max(ours) <= max(static)
 
 

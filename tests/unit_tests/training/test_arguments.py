@@ -190,6 +190,9 @@ def test_padded_vocab_matches_megatron():
     ("--pytorch-profiler-collect-shapes", 1,
      "--pytorch-profiler-collect-shapes changes nothing without --profile --use-pytorch-profiler"),
     ("--memory-snapshot-path x.pickle", 1, "--memory-snapshot-path changes nothing without --record-memory-history"),
+    # MEMO's settings without --memo: no plan would be written, no activation swapped
+    ("--memo-save-plan p.json --memo-swap-fraction 0.5", 1, "--memo-swap-fraction changes nothing without --memo; "
+     "--memo-save-plan changes nothing without --memo"),
     ("--tensorboard-queue-size 0", 1, "--tensorboard-queue-size must be positive, got 0"),
     ("--recompute-granularity full --recompute-method uniform --selective-checkpoint-pp --attention-dropout 0.1", 1,
      "--selective-checkpoint-pp keeps the attention kernel's output and softmax statistics, which "

@@ -425,9 +425,15 @@ def test_passkey_eval_table_and_bad_input(tmp_path, capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[-4] == "| model | 32 tokens | 64 tokens |" and lines[-3] == "|---|---:|---:|"
     assert lines[-2].startswith("| short | ") and lines[-1].startswith("| stretched | ")
+    cut = tmp_path / "cut"  # an export whose weights file was cut short (a full disk, an interrupted copy)
+    cut.mkdir()
+    (cut / "config.json").write_text((Path(hf_dir) / "config.json").read_text())
+    (cut / "model.safetensors").write_bytes((Path(hf_dir) / "model.safetensors").read_bytes()[:1000])
     for argv, message in ((["--model", "x"], "--model takes LABEL DIR [ROPE], got 1 items"),
                           (["--model", "x", str(tmp_path / "none")], f"no directory {tmp_path / 'none'}"),
-                          (["--model", "x", hf_dir, "8"], "the RoPE change is base:THETA or linear:FACTOR, got '8'")):
+                          (["--model", "x", hf_dir, "8"], "the RoPE change is base:THETA or linear:FACTOR, got '8'"),
+                          (["--model", "ok", hf_dir, "--model", "x", str(cut)],
+                           f"--model 'x': {cut / 'model.safetensors'} is not a readable safetensors file")):
         with pytest.raises(SystemExit):
             passkey_eval.main(["--vocab-size", str(VOCAB), "--lengths", "32"] + argv)
         assert message in capsys.readouterr().err

@@ -239,6 +239,9 @@ def test_help_explains_every_flag_and_shows_its_default():
     text = " ".join(parser.format_help().split())
     assert "--num-layers NUM_LAYERS transformer layers (default: None)" in text
     assert "--ckpt-format {torch,torch_dist}" in text and "(default: torch_dist)" in text
+    # a switch's default reads as the opposite of what it does; a help that names its default says it once
+    assert "--no-check-for-nan-in-loss-and-grad do not stop on a NaN/Inf loss" in text
+    assert "(default: True)" not in text and "a plain ring) (default:" not in text
 
 
 @pytest.mark.parametrize("style, halfway", [("linear", 0.05), ("cosine", 0.05), ("constant", 0.01)])
