@@ -6,6 +6,7 @@ from `consumed_samples` continues the stream exactly where it stopped.
 """
 from __future__ import annotations
 
+import signal
 from functools import partial
 from typing import Callable, Dict, Iterator, List, Optional
 
@@ -119,11 +120,22 @@ def build_loader(dataset, consumed_samples: int, args, pgs, eod: Optional[int] =
     # The loader draws its workers' base seed when an iterator is made; from its own generator,
     # so the training streams (dropout) are the same whether or not the run was resumed.
     generator = torch.Generator().manual_seed(args.seed)
+    signum = signal.Signals[args.exit_signal] if args.exit_signal_handler else None
     loader = torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, num_workers=args.num_workers, generator=generator, collate_fn=collate,
         pin_memory=args.device_type == "cuda", persistent_workers=args.num_workers > 0,
+        worker_init_fn=None if signum is None else partial(_leave_signal_to_the_rank, signum),
     )
     return iter(loader)
+
+
+def _leave_signal_to_the_rank(signum: int, worker_id: int) -> None:
+    """In a loader worker, under --exit-signal-handler: the exit signal is ignored. Slurm signals
+    every process of a job step and torchrun a rank's whole process group; torch's own handler in
+    the worker would die of it, and the rank with it, mid-iteration or mid-save ('DataLoader worker
+    killed'), where the rank was to finish its iteration, save and exit. The worker ends when its
+    loader is shut down, or when it finds its rank gone."""
+    signal.signal(signum, signal.SIG_IGN)
 
 
 def token_placement(args, pgs) -> TokenPlacement:

@@ -68,3 +68,30 @@ def test_the_handler_is_put_back(sig):
     assert signal.getsignal(signum) == exits._note
     exits.uninstall()
     assert signal.getsignal(signum) is before
+
+
+def test_sigterm_to_the_whole_job_saves_and_exits_with_loader_workers(tmp_path):
+    """Slurm signals every process of a step, torchrun a rank's process group: the loader workers
+    get the signal too. They leave it to the rank (torch's handler in them would die of it, and the
+    rank with it, mid-save), which finishes its iteration, saves and exits 0."""
+    import subprocess
+    import sys
+
+    from tests.functional_tests.run import ROOT
+    from tests.unit_tests.dist_utils import child_env
+
+    flags = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+             "--mock-data --tokenizer-type NullTokenizer --vocab-size 200 --distributed-backend gloo --lr 1e-3 "
+             f"--train-iters 100000 --eval-iters 0 --log-interval 1 --num-workers 2 --exit-signal-handler "
+             f"--save {tmp_path}").split()
+    run = subprocess.Popen([sys.executable, str(ROOT / "pretrain_gpt.py")] + flags, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, env=child_env(), start_new_session=True)
+    lines = []
+    for line in run.stdout:  # until training is under way, with its workers up
+        lines.append(line)
+        if "iteration        3/" in line:
+            break
+    os.killpg(run.pid, signal.SIGTERM)  # the rank and its loader workers, as Slurm and torchrun signal
+    rest, _ = run.communicate(timeout=120)
+    assert run.returncode == 0, "".join(lines) + rest
+    assert "exiting program on SIGTERM" in rest and (tmp_path / "latest_checkpointed_iteration.txt").is_file()
