@@ -548,7 +548,9 @@ def pretrain(train_valid_test_datasets_provider, model_provider, forward_step_fu
     print_rank_0("> building train, validation, and test datasets ...")
     train_ds, valid_ds, test_ds = train_valid_test_datasets_provider(args, tokenizer, train_valid_test_num_samples(args))
     train_iter = build_loader(train_ds, state.consumed_train_samples, args, pgs, tokenizer.eod)
-    valid_iter = build_loader(valid_ds, state.consumed_valid_samples, args, pgs, tokenizer.eod)
+    # --skip-train evaluates from the first validation samples, whatever the training run had read (Megatron's)
+    valid_iter = build_loader(valid_ds, 0 if args.skip_train else state.consumed_valid_samples, args, pgs,
+                              tokenizer.eod)
     if args.rerun_mode != "disabled" and train_iter is not None:
         train_iter = Replay(train_iter)  # an iteration may run again on the same micro-batches
     print_rank_0(f"> setup done in {time.perf_counter() - start:.1f} s; training ...")
