@@ -44,5 +44,14 @@ REPORT_GRACE_S = 30.0
 
 def _is_first_process() -> bool:
     """The launcher's rank 0: torchrun's RANK where it is set (under srun, torchrun numbers nodes
-    by hostname, not in Slurm's order), else Slurm's task id."""
-    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+    by hostname, not in Slurm's order), else Slurm's task id. A process whose rank is no rank of
+    its world (not a number, or outside it) reports too: then no process may be rank 0, and the
+    launch error would go unsaid."""
+    env = os.environ
+    rank_name, world_name = ("RANK", "WORLD_SIZE") if "RANK" in env else ("SLURM_PROCID", "SLURM_NTASKS")
+    try:
+        rank = int(env.get(rank_name, "0"))
+        world = int(env.get(world_name, rank + 1))
+    except ValueError:
+        return True
+    return rank == 0 or not 0 <= rank < world

@@ -69,8 +69,8 @@ RANGES = (
     (("num_query_groups", "kv_channels", "ffn_hidden_size", "rotary_base", "adam_eps", "make_vocab_size_divisible_by",
       "distributed_timeout_minutes", "tensorboard_log_interval", "tensorboard_queue_size"), lambda x: x > 0,
      "must be positive"),
-    (("init_method_std", "weight_decay", "start_weight_decay", "end_weight_decay", "seed"), lambda x: x >= 0,
-     "must be >= 0"),
+    (("init_method_std", "weight_decay", "start_weight_decay", "end_weight_decay", "seed", "manual_gc_interval"),
+     lambda x: x >= 0, "must be >= 0"),
     (("adam_beta1", "adam_beta2"), lambda x: 0 <= x < 1, "must be in [0, 1)"),
     (("rotary_percent",), lambda x: 0 < x <= 1, "must be in (0, 1]"),
 )

@@ -198,6 +198,7 @@ def test_padded_vocab_matches_megatron():
      "--selective-checkpoint-pp keeps the attention kernel's output and softmax statistics, which "
      "--attention-dropout > 0 (torch's SDPA) does not give"),
     ("--rotary-base 0", 1, "--rotary-base must be positive, got 0"),
+    ("--manual-gc --manual-gc-interval -1", 1, "--manual-gc-interval must be >= 0, got -1"),  # % -1 is always 0
     ("--adam-beta1 1.5 --adam-eps -1 --weight-decay -1 --init-method-std -1", 1,
      "--adam-eps must be positive, got -1.0; --init-method-std must be >= 0, got -1.0; --weight-decay must be >= 0, "
      "got -1.0; --adam-beta1 must be in [0, 1), got 1.5"),

@@ -229,13 +229,16 @@ def test_each_rank_gets_a_gpu_of_its_own_or_a_one_line_error(monkeypatch, launch
 @pytest.mark.parametrize("environ, first", [
     ({"RANK": "0", "SLURM_PROCID": "1"}, True), ({"RANK": "8", "SLURM_PROCID": "0"}, False),
     ({"SLURM_PROCID": "0"}, True), ({"SLURM_PROCID": "3"}, False), ({}, True),
+    # no process can be rank 0: each reports (it used to be silence and exit 2 after 30 s)
+    ({"RANK": "x", "WORLD_SIZE": "1"}, True), ({"RANK": "3", "WORLD_SIZE": "2"}, True),
+    ({"RANK": "1", "WORLD_SIZE": "2"}, False), ({"SLURM_PROCID": "4", "SLURM_NTASKS": "4"}, True),
 ])
 def test_the_launchers_rank_0_reports_a_bad_command_line(monkeypatch, environ, first):
     """Under srun + torchrun, torchrun numbers the nodes by hostname, so its rank 0 may run on
     Slurm's task 1: requiring both made no process print the one-line error."""
     from megatron.training import bad_input
 
-    for name in ("RANK", "SLURM_PROCID"):
+    for name in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
         monkeypatch.delenv(name, raising=False)
     for name, value in environ.items():
         monkeypatch.setenv(name, value)
