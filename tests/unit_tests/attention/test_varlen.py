@@ -11,8 +11,10 @@ import torch
 from megatron.longseq.attention import varlen
 from megatron.longseq.attention.documents import (Piece, Pieces, balanced_ring_tokens, block_pieces, document_ids,
                                                   lognormal_starts)
-from megatron.longseq.attention.kernels import (FlashAttnKernel, KernelContractError, PaddedHeadDim, TorchCudaFlashKernel,
-                                                TorchCudnnKernel, Varlen)
+from megatron.longseq.attention.kernels import (
+    FlashAttnKernel, KernelContractError, PaddedHeadDim, TorchCudaFlashKernel,
+    TorchCudnnKernel, Varlen,
+)
 from megatron.longseq.attention.ring import _Rows, add_block_grads, block_backward, block_forward
 from tests.unit_tests.attention.contract_kernel import (ContractKernel, flash_varlen_backward, flash_varlen_forward,
                                                        install_flash_varlen_stand_ins)
