@@ -59,18 +59,23 @@ def test_ranks_that_read_different_trackers_stop_before_loading(tmp_path):
     run_ranks(_check_ranks_agree_on_the_tracker, 2, str(tmp_path))
 
 
-def _saved(tmp_path, fmt):
-    """A checkpoint of the tiny model at iteration 0 (10 iterations of 2 samples planned)."""
+def saved_state(tmp_path, fmt, extra=""):
+    """A checkpoint in `fmt` of the tiny model (`extra` flags) at iteration 0 (10 iterations of 2
+    samples planned): its (args, pgs, state)."""
     from megatron.training.dist_ckpt import CheckpointSaver
 
-    args, pgs, state = make_state(tmp_path, f"--ckpt-format {fmt}")
+    args, pgs, state = make_state(tmp_path, f"{extra} --ckpt-format {fmt}")
     if fmt == "torch_dist":
         saver = CheckpointSaver(args, pgs, torch.device("cpu"))
         saver.save(state)
         saver.finish(blocking=True)
     else:
         save_checkpoint(args, state, pgs)
-    return args, pgs
+    return args, pgs, state
+
+
+def _saved(tmp_path, fmt):
+    return saved_state(tmp_path, fmt)[:2]
 
 
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])

@@ -5,12 +5,10 @@ import torch
 
 from megatron.training.arguments import ArgsError
 from megatron.training.checkpoint_args import MODEL
-from megatron.training.checkpointing import save_checkpoint
-from megatron.training.dist_ckpt import CheckpointSaver
 from megatron.training.training import check_load, load_and_report, parse_and_validate, setup
 from tests.unit_tests.dist_utils import grid_groups
 from tests.unit_tests.model_utils import tiny_gpt
-from tests.unit_tests.training.test_checkpointing import make_state
+from tests.unit_tests.training.test_check_load import saved_state
 
 # A model unlike the defaults in every way the weights show, and a tokenizer that is no default
 SAVED = ("--num-layers 3 --hidden-size 64 --num-attention-heads 8 --group-query-attention --num-query-groups 4 "
@@ -24,13 +22,7 @@ RUN = ("--use-checkpoint-args --micro-batch-size 2 --train-iters 10 --lr 1e-3 --
 
 def _saved(tmp_path, fmt):
     """A checkpoint of the SAVED model in `fmt`; its arguments and weights."""
-    args, pgs, state = make_state(tmp_path, f"{SAVED} --ckpt-format {fmt}")
-    if fmt == "torch_dist":
-        saver = CheckpointSaver(args, pgs, torch.device("cpu"))
-        saver.save(state)
-        saver.finish(blocking=True)
-    else:
-        save_checkpoint(args, state, pgs)
+    args, _, state = saved_state(tmp_path, fmt, SAVED)
     return args, state.model[0].state_dict()
 
 
