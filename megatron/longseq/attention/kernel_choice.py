@@ -111,8 +111,9 @@ def choose_kernel(backend: str, env: KernelEnv) -> str:
     on CUDA:
       auto  -> fp16/bf16: Hopper or Blackwell (sm90/sm100): torch cuDNN attention, else flash-attn,
                else torch's flash kernel; older GPUs: flash-attn, else torch's flash kernel; where
-               no flash kernel can run (before sm80, a head dim not a multiple of 8 or above
-               256): torch's memory-efficient kernel. fp32: torch's memory-efficient kernel.
+               no flash kernel can run (before sm80, a head dim above 256, FlashAttention-2's
+               backward of head dims 193-224 on SMALL_SHARED_MEMORY GPUs): torch's
+               memory-efficient kernel. fp32: torch's memory-efficient kernel.
                (torch's SDPA, too, puts cuDNN first on sm90/sm100 with a recent cuDNN, flash first
                elsewhere, the memory-efficient kernel last.)
       flash -> flash-attn if installed, else torch's flash kernel (fp16/bf16 only);
