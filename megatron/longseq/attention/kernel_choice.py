@@ -63,8 +63,8 @@ class KernelEnv:
         """Why the flash kernels (torch's and flash-attn's) cannot take this run (None: they can)."""
         if tuple(self.capability) < (8, 0):
             return f"they need an sm80 or newer GPU (found {self.sm})"
-        if self.head_dim % 8 or self.head_dim > 256:
-            return f"they need a head dim <= 256 and a multiple of 8 (got {self.head_dim})"
+        if self.head_dim > 256:  # a multiple of 8 by now (kernel_head_dim)
+            return f"they need a head dim <= 256 (got {self.head_dim})"
         if tuple(self.capability) in SMALL_SHARED_MEMORY and 192 < self.head_dim <= 224:
             # FlashAttention-2's backward for these head dims has no variant for their 100 KB of
             # shared memory per SM (torch's SDPA refuses the same range there)
@@ -79,8 +79,8 @@ class KernelEnv:
             return f"it needs an sm80 to sm121 GPU (found {self.sm})"
         if self.cudnn_version < 90000:
             return f"it needs cuDNN >= 9 (found {self.cudnn_version or 'none'})"
-        if self.head_dim % 8 or self.head_dim > 128:
-            return f"it needs a head dim <= 128 and a multiple of 8 (got {self.head_dim})"
+        if self.head_dim > 128:
+            return f"it needs a head dim <= 128 (got {self.head_dim})"
         if self.deterministic:  # called directly, its backward ignores deterministic mode
             return "its backward is not deterministic (--deterministic-mode)"
         return None
